@@ -1,0 +1,77 @@
+"""Where this process sits: rank, world, device and backend, read from torchrun's environment.
+
+`python -m trainer` (no torchrun) is a world of one; it still gets a process group (an in-memory
+store, no ports) so one process and many run the same sharded code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """`train.device`: auto uses one CUDA device per local rank when there is one, else the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(f"local rank {local_rank} has no GPU ({count} visible); lower "
+                           "torchrun --nproc-per-node to the GPUs per node")
+    return torch.device("cuda", local_rank)
+
+
+def read_env(device_choice: str, env: Mapping[str, str] = os.environ) -> DistEnv:
+    world = int(env.get("WORLD_SIZE", "1"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    return DistEnv(rank=int(env.get("RANK", "0")), world_size=world, local_rank=local_rank,
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+                   device=pick_device(device_choice, local_rank))
+
+
+def init_distributed(denv: DistEnv, timeout_s: int) -> None:
+    """gloo for CPU tensors always; NCCL as well when the device is a GPU."""
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    if denv.device.type == "cuda":
+        torch.cuda.set_device(denv.device)
+        # gloo alongside NCCL serves collectives on CPU tensors (e.g. offloaded state).
+        backend, device_id = "cpu:gloo,cuda:nccl", denv.device
+    else:
+        backend, device_id = "gloo", None
+    if denv.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout,
+                                device_id=device_id)
+    else:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,64 @@
+"""Carrying out the sharding part of the plan: device mesh, FSDP2 per block, or plain DDP.
+
+Order matters and is fixed by the caller: per-block wrappers (offload hooks, checkpointing,
+compile) first, then `fully_shard` on each block, then on the root. Sharding the block *outside*
+its checkpoint wrapper means recompute runs inside FSDP's unshard window, so backward all-gathers a
+block's parameters once, not twice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from checkpointing.plan import BlockPlan
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_mesh(mode: str, device_type: str, world_size: int, replicate: int) -> Optional[DeviceMesh]:
+    """1-D ("shard") for fsdp, 2-D ("replicate", "shard") for hsdp, none for sharding=none."""
+    if mode == "fsdp":
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    if mode == "hsdp":
+        return init_device_mesh(device_type, (replicate, world_size // replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    return None
+
+
+def mixed_precision(param_dtype: Optional[str], reduce_dtype: Optional[str]) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype] if param_dtype else None,
+                                reduce_dtype=_DTYPES[reduce_dtype] if reduce_dtype else None)
+
+
+def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], plan: Sequence[BlockPlan],
+               mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+               reshard_after_forward: bool) -> None:
+    """fully_shard each block the plan shards, then the root (embeddings, head, the rest)."""
+    for block, block_plan in zip(blocks, plan, strict=True):
+        if block_plan.shard:
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy,
+                        reshard_after_forward=reshard_after_forward)
+    # The root's parameters are needed again right at the start of backward, so FSDP2 keeps them
+    # unsharded after forward regardless of this flag.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """sharding=none with several ranks: replicate the model, average gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def set_grad_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip gradient communication on all but the last micro-batch of an accumulation."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    elif hasattr(model, "require_backward_grad_sync"):  # DDP, without a context manager
+        model.require_backward_grad_sync = enabled

@@ -1,0 +1,50 @@
+"""`python -m trainer [group=option ...] [key=value ...]`: the same entry under torchrun.
+
+The command line is composed and validated first (trainer/cli.py): a mistake is one line from
+rank 0 and exit status 2, before torch is imported. Only then does Hydra run the job, which gives
+run directories, config dumps and `-m` sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer import cli
+from trainer.config import ConfigError, register_schema
+from trainer.rundir import register_resolver
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
+def _run(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        config = cli.to_config(cfg)
+        _, world, nodes = cli.world_from_env(os.environ)
+        layout = cli.validate(config, world_size=world, num_nodes=nodes)
+    except ConfigError as exc:  # reached by `-m` sweeps, which skip the pre-flight check
+        cli.report(exc)
+        sys.exit(cli.USAGE_ERROR)
+
+    from trainer.loop import train
+
+    train(config, layout, run_dir=HydraConfig.get().runtime.output_dir)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    code = cli.preflight(argv)
+    if code:
+        sys.exit(code)
+    register_schema()
+    register_resolver()
+    sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)
+    _run()
+
+
+if __name__ == "__main__":
+    main()

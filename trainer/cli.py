@@ -1,0 +1,155 @@
+"""Command-line front door: compose and validate the config before anything starts.
+
+Hydra reports its own composition errors as several lines, once per process. We compose the same
+overrides first with Hydra's compose API, turn any error into one line that names the key, print
+it from rank 0 only and exit with status 2, before torch is imported or a process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Mapping, Optional, Sequence, get_type_hints
+
+from trainer.config import Config, ConfigError, Layout, register_schema, validate  # noqa: F401
+from trainer.rundir import register_resolver
+
+USAGE_ERROR = 2
+_HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c",
+                            "--shell-completion", "-sc", "--resolve", "-p", "--package")
+_MULTIRUN_FLAGS = ("--multirun", "-m")
+
+
+def world_from_env(env: Mapping[str, str]) -> tuple[int, int, int]:
+    """(rank, world size, number of nodes) as torchrun will give them; (0, 1, 1) for one process."""
+    rank = int(env.get("RANK", "0"))
+    world = int(env.get("WORLD_SIZE", "1"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    return rank, world, max(1, world // max(1, local_world))
+
+
+def _options(group: str) -> list[str]:
+    from importlib.resources import files
+
+    folder = files("conf").joinpath(group)
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def _unknown_key(key: str) -> str:
+    from dataclasses import is_dataclass
+
+    parent, _, _ = key.rpartition(".")
+    node: object = Config
+    for part in parent.split(".") if parent else []:
+        node = get_type_hints(node).get(part)  # type: ignore[arg-type]
+        if not is_dataclass(node):
+            return f"{key}: unknown key"
+    valid = ", ".join(get_type_hints(node))  # type: ignore[arg-type]
+    where = f"under {parent}" if parent else "at the top level"
+    return f"{key}: unknown key; valid keys {where}: {valid}"
+
+
+def describe_compose_error(exc: BaseException) -> str:
+    """One line for a Hydra/OmegaConf composition error, naming the key and what is allowed."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    missing = re.search(r"Could not find '([\w.]+)/([^']+)'", str(exc))
+    if isinstance(exc, MissingConfigException) and missing:
+        group, name = missing.groups()
+        return f"{group}={name}: unknown {group}; choose one of {', '.join(_options(group))}"
+    if isinstance(exc, OverrideParseException):
+        return f"cannot parse the command line: {_first_line(exc)}"
+    cause: Optional[BaseException] = exc
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        return _unknown_key(cause.full_key)
+    if cause is not None and getattr(cause, "full_key", None):
+        return f"{cause.full_key}: {_first_line(cause.msg)}"
+    return _first_line(exc) or type(exc).__name__
+
+
+def _check_known_keys(cfg, schema: type, prefix: str = "") -> None:
+    """`+key=value` gets past Hydra's struct mode; an unknown key is still a mistake here."""
+    from dataclasses import is_dataclass
+
+    known = get_type_hints(schema)
+    for key in cfg.keys():
+        if key not in known:
+            raise ConfigError("config", _unknown_key(prefix + str(key)))
+        sub = known[key]
+        if is_dataclass(sub):
+            _check_known_keys(cfg[key], sub, prefix + f"{key}.")
+
+
+def compose(overrides: Sequence[str]) -> Config:
+    """The typed config these overrides produce, or ConfigError / a Hydra exception."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    register_resolver()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return to_config(cfg)
+
+
+def to_config(cfg) -> Config:
+    from omegaconf import OmegaConf
+
+    _check_known_keys(cfg, Config)
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, Config):  # composed without the schema: refuse rather than guess
+        raise ConfigError("defaults", "the config must start from the `schema` defaults entry")
+    return obj
+
+
+def check(overrides: Sequence[str], env: Mapping[str, str]) -> tuple[Config, Layout]:
+    """Compose and validate; raises ConfigError with a one-line message on any user mistake."""
+    _, world, nodes = world_from_env(env)
+    try:
+        cfg = compose(overrides)
+    except ConfigError:
+        raise
+    except Exception as exc:  # Hydra and OmegaConf raise many types; all are user input here
+        raise ConfigError("config", describe_compose_error(exc)) from exc
+    return cfg, validate(cfg, world_size=world, num_nodes=nodes)
+
+
+def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
+    """0 when the command line is good (or is a Hydra flag we leave to Hydra), else 2."""
+    if any(a in _HYDRA_FLAGS_WITHOUT_RUN or a in _MULTIRUN_FLAGS for a in argv):
+        return 0  # sweeps are validated per job, inside the task function
+    try:
+        check([a for a in argv if not a.startswith("-")], env)
+    except ConfigError as exc:
+        report(exc, env)
+        return USAGE_ERROR
+    return 0
+
+
+def report(exc: ConfigError, env: Mapping[str, str] = os.environ) -> None:
+    rank, _, _ = world_from_env(env)
+    if rank == 0:
+        message = str(exc)
+        if message.startswith("config: "):
+            message = message[len("config: "):]
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def hydra_argv(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> list[str]:
+    """Hydra's own arguments; other ranks write no config dump and no log file."""
+    rank, _, _ = world_from_env(env)
+    extra = []
+    if rank != 0:
+        extra = ["hydra.output_subdir=null", "hydra/job_logging=disabled",
+                 "hydra/hydra_logging=disabled"]
+    return list(argv) + extra

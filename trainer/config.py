@@ -1,0 +1,242 @@
+"""Typed configuration schema and validation.
+
+The YAML files in conf/ supply values; these dataclasses, registered in Hydra's ConfigStore as
+`schema`, fix the set of keys and their types, so Hydra rejects unknown keys and wrong types while
+composing. `validate` then checks what types cannot (ranges, choices, divisibility against the
+world size) and raises `ConfigError` naming the key to change. Nothing here imports torch: a bad
+command line is refused in well under a second, before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the key and what is allowed."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # preset name, for logs and run names
+    arch: str = "llama"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 256
+    ffn_hidden: int = 384
+    max_seq_len: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    # Module-path glob of the blocks (e.g. "layers.*"); null finds the repeated blocks itself.
+    block_pattern: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    source: str = "bytes"  # bytes | tokens | synthetic
+    seq_len: int = 256
+    train_path: Optional[str] = None
+    val_path: Optional[str] = None
+    token_dtype: str = "uint16"
+    max_corpus_bytes: int = 32 * 1024 * 1024
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    micro_batch_size: int = 16
+    grad_accum: int = 1
+    # When set, grad_accum is derived: global_batch_size / (micro_batch_size * data-parallel size).
+    global_batch_size: Optional[int] = None
+    eval_every: int = 50
+    eval_batches: int = 4
+    run_name: Optional[str] = None
+    out_dir: str = "outputs"
+    device: str = "auto"  # auto | cpu | cuda
+    dist_timeout_s: int = 600
+
+
+@dataclass
+class ShardingConfig:
+    mode: str = "fsdp"  # fsdp | hsdp | none
+    replicate: Optional[int] = None  # HSDP replica groups; null = number of nodes
+    reshard_after_forward: bool = True
+    param_dtype: Optional[str] = None  # null keeps fp32 compute; bfloat16 | float16 | float32
+    reduce_dtype: Optional[str] = None
+
+
+@dataclass
+class CheckpointingConfig:
+    policy: str = "none"
+
+
+@dataclass
+class OffloadConfig:
+    target: str = "none"
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10
+    progress: bool = True
+    wandb: bool = True
+    wandb_project: str = "blocktrain"
+    wandb_entity: Optional[str] = None
+    wandb_init_timeout_s: float = 60.0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+CHOICES = {
+    "model.arch": ("llama",),
+    "data.source": ("bytes", "tokens", "synthetic"),
+    "data.token_dtype": ("uint16", "uint32"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "sharding.mode": ("fsdp", "hsdp", "none"),
+    "checkpointing.policy": ("none",),
+    "offload.target": ("none",),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What validation derives from the config and the world: the data-parallel layout."""
+
+    world_size: int
+    replicate: int  # HSDP replica groups (1 for fsdp / none)
+    shard: int  # ranks a parameter is sharded over
+    grad_accum: int
+    global_batch_size: int  # sequences per optimizer step
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+
+def _get(cfg: Config, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(key, message)
+
+
+def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
+    """Checks every value a type cannot, against the world this run will have."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        _require(value in allowed, key, f"got {value!r}; choose one of {', '.join(allowed)}")
+    positive = ("model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                "model.vocab_size", "model.ffn_hidden", "model.max_seq_len", "data.seq_len",
+                "data.max_corpus_bytes", "train.steps", "train.micro_batch_size",
+                "train.grad_accum", "train.eval_every", "train.eval_batches",
+                "train.dist_timeout_s", "logging.every")
+    for key in positive:
+        value = _get(cfg, key)
+        _require(value > 0, key, f"must be a positive integer, got {value}")
+    for key in ("optim.lr", "model.norm_eps", "model.rope_theta", "logging.wandb_init_timeout_s"):
+        value = _get(cfg, key)
+        _require(value > 0, key, f"must be > 0, got {value}")
+    for key in ("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.eps"):
+        value = _get(cfg, key)
+        _require(value >= 0, key, f"must be >= 0, got {value}")
+    for key in ("model.dropout", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"):
+        value = _get(cfg, key)
+        _require(0 <= value <= 1, key, f"must be between 0 and 1, got {value}")
+    _require(cfg.model.dropout < 1, "model.dropout", "must be below 1")
+    for key in ("sharding.param_dtype", "sharding.reduce_dtype"):
+        value = _get(cfg, key)
+        _require(value is None or value in DTYPES, key,
+                 f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
+
+    m = cfg.model
+    _require(m.dim % m.n_heads == 0, "model.n_heads",
+             f"must divide model.dim={m.dim}, got {m.n_heads}")
+    _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
+             f"head size model.dim/model.n_heads={m.dim // m.n_heads} must be even (rotary)")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+             f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    _require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len",
+             f"{cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.data.source == "tokens":
+        _require(bool(cfg.data.train_path), "data.train_path",
+                 "data.source=tokens needs data.train_path=<file.bin> (see python -m trainer.tokenize)")
+        _require(bool(cfg.data.val_path), "data.val_path",
+                 "data.source=tokens needs data.val_path=<file.bin>")
+    if cfg.data.source == "bytes":
+        _require(m.vocab_size >= 256, "model.vocab_size",
+                 f"data.source=bytes needs at least 256, got {m.vocab_size}")
+
+    s = cfg.sharding
+    if s.mode == "none":
+        for key in ("sharding.param_dtype", "sharding.reduce_dtype"):
+            _require(_get(cfg, key) is None, key, "mixed precision needs sharding=fsdp or hsdp")
+    if s.mode != "hsdp":
+        _require(s.replicate is None, "sharding.replicate",
+                 f"only applies to sharding=hsdp (now sharding={s.mode})")
+        replicate = 1
+    else:
+        replicate = num_nodes if s.replicate is None else s.replicate
+        _require(replicate > 0, "sharding.replicate", f"must be a positive integer, got {replicate}")
+        _require(world_size % replicate == 0, "sharding.replicate",
+                 f"{replicate} does not divide the world size {world_size}")
+    shard = world_size // replicate if s.mode != "none" else 1
+
+    t = cfg.train
+    per_accum = t.micro_batch_size * world_size
+    if t.global_batch_size is None:
+        grad_accum = t.grad_accum
+    else:
+        _require(t.global_batch_size > 0, "train.global_batch_size",
+                 f"must be a positive integer, got {t.global_batch_size}")
+        _require(t.grad_accum == 1, "train.grad_accum",
+                 "set either train.grad_accum or train.global_batch_size, not both")
+        _require(t.global_batch_size % per_accum == 0, "train.global_batch_size",
+                 f"{t.global_batch_size} is not divisible by train.micro_batch_size x world size "
+                 f"= {t.micro_batch_size} x {world_size}")
+        grad_accum = t.global_batch_size // per_accum
+    return Layout(world_size=world_size, replicate=replicate, shard=shard,
+                  grad_accum=grad_accum, global_batch_size=per_accum * grad_accum)

@@ -1,0 +1,107 @@
+"""What a run reports: metrics.jsonl, a console line every N steps, a progress bar, W&B.
+
+Only rank 0 constructs a RunLogger with outputs; other ranks get one that drops everything, so
+the training loop has no rank checks of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("trainer")
+
+# Dense bf16 peak FLOP/s per device (vendor data sheets), keyed by a substring of the CUDA
+# device name. MFU is reported only for devices listed here.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "4090": 165e12,
+    "V100": 125e12,
+}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the most bytes allocated so far; CPU: this process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class RunLogger:
+    def __init__(self, run_dir: Optional[str], total_steps: int, progress: bool,
+                 wandb_run=None, first_step: int = 0):
+        self.enabled = run_dir is not None
+        self.wandb = wandb_run
+        self._file = None
+        self._bar = None
+        if not self.enabled:
+            return
+        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=first_step, unit="step",
+                             dynamic_ncols=True, leave=False, disable=None)
+
+    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """Every step: advance the progress bar."""
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    def record(self, metrics: dict, console: bool = True) -> None:
+        """A logged step: one JSON line (floats exact), a console line, and W&B."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(metrics) + "\n")
+        if console:
+            line = " | ".join(_format(k, v) for k, v in metrics.items())
+            if self._bar is not None:
+                self._bar.write(line)
+            else:
+                log.info(line)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            if self._bar is not None:
+                self._bar.write(message)
+            else:
+                log.info(message)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _format(key: str, value) -> str:
+    if isinstance(value, float):
+        if key.endswith("bytes"):
+            return f"{key} {value / 2**30:.2f}GiB"
+        return f"{key} {value:.4g}"
+    if isinstance(value, int) and key.endswith("bytes"):
+        return f"{key.replace('_bytes', '')} {value / 2**30:.2f}GiB"
+    return f"{key} {value}"

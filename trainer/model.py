@@ -1,0 +1,385 @@
+"""Llama-style decoder-only transformer.
+
+The model is written so that distributed wrappers can be applied from the
+outside without touching this file:
+
+* it holds no buffers, so it can be built on the meta device and materialised
+  with ``to_empty`` without any re-initialisation step other than parameters;
+* every block is called as ``block(hidden, rope)`` with exactly two positional
+  arguments, so per-block wrappers (sharding, recompute, offload) see a uniform
+  signature;
+* parameter initialisation is defined on the full, unsharded tensor of each
+  parameter with its own seeded generator, so every sharding layout and world
+  size produces the same numbers.
+
+Parameter names follow Meta's reference implementation (``attention.wq``,
+``feed_forward.w1``, ``attention_norm`` ...) so checkpoints map over by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_hidden: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        # Fail at config time rather than with an opaque view()/reshape error mid-forward.
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, LlamaArgs] = {
+    "tiny": LlamaArgs(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256,
+        ffn_hidden=384, max_seq_len=512, rope_theta=10000.0, dropout=0.0,
+    ),
+    # Llama 3.2 1B.
+    "llama_1b": LlamaArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+        ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True,
+    ),
+    # Llama 3.1 8B.
+    "llama_8b": LlamaArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+        ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0,
+    ),
+    # Llama 3.1 70B.
+    "llama_70b": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+        ffn_hidden=28672, max_seq_len=8192, rope_theta=500000.0,
+    ),
+}
+
+
+def rope_cos_sin(head_dim: int, seq_len: int, theta: float, device: torch.device) -> Rope:
+    """Rotary tables ``(cos, sin)``, each float32 of shape ``[seq_len, head_dim // 2]``.
+
+    Built per forward instead of kept as buffers: the cost is negligible next to
+    one matmul, and it leaves nothing to re-create after meta-device construction.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[B, T, heads, head_dim]`` by position.
+
+    Uses Meta's interleaved convention: feature pairs ``(2i, 2i+1)`` are the real
+    and imaginary parts of one complex number that is multiplied by
+    ``exp(j * pos * freq_i)``. The rotation runs in float32 because bf16 angles
+    lose relative-position precision at long sequence lengths.
+    """
+    cos, sin = rope
+    seq_len = x.shape[1]
+    cos = cos[:seq_len].view(1, seq_len, 1, -1)
+    sin = sin[:seq_len].view(1, seq_len, 1, -1)
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The mean of squares over thousands of bf16 values is too coarse, so normalise
+        # in float32 and return in the caller's dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return normed.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.dropout = args.dropout
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # SDPA wants heads before time.
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        # enable_gqa maps query head h to kv head h // (n_heads // n_kv_heads), the same
+        # grouping as repeat_interleave, without materialising the repeated kv tensors.
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        out = out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block, called as ``block(hidden, rope)``."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.residual_dropout = nn.Dropout(args.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        h = x + self.residual_dropout(self.attention(self.attention_norm(x), rope))
+        return h + self.residual_dropout(self.feed_forward(self.ffn_norm(h)))
+
+
+# Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) insert into
+# parameter names; stripped so seeds and init rules do not depend on the wrapping.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def canonical_param_name(name: str) -> str:
+    """``name`` with wrapper-inserted path components removed."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the head share the embedding matrix when ``tie_embeddings`` is set.
+
+        Needed again after ``to_empty``/``load_state_dict(assign=True)``, which
+        replace each module's parameter separately and so silently untie them.
+        """
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Llama:
+        super().to_empty(device=device, recurse=recurse)
+        # Re-tie here so callers that then init via named_parameters() do not
+        # initialise (and train) two separate matrices.
+        self.tie_weights()
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's max_seq_len="
+                f"{self.args.max_seq_len}; lower data.seq_len or raise max_seq_len"
+            )
+        hidden = self.tok_embeddings(tokens)
+        rope = rope_cos_sin(self.args.head_dim, seq_len, self.args.rope_theta, tokens.device)
+        for block in self.layers:
+            hidden = block(hidden, rope)
+        return self.output(self.norm(hidden))
+
+    def param_init_std(self, name: str) -> float | None:
+        """Init std for parameter ``name``; ``None`` means fill with ones (norm weights).
+
+        Raises KeyError for names this model does not have.
+        """
+        return _init_rule(self.args, canonical_param_name(name))[1]
+
+    def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full (unsharded) tensor of parameter ``name`` in place.
+
+        Rules (why): norms -> 1 (identity at start); embeddings and ordinary linear
+        weights -> N(0, 0.02) (GPT-2 scale; the embedding also serves as the head when
+        tied, where unit std would give logits of std sqrt(dim)); attention ``wo`` and
+        ffn ``w2`` -> N(0, 0.02 / sqrt(2 * n_layers)) because 2 * n_layers of them add
+        into the residual stream; untied head -> N(0, dim ** -0.5) so initial logits
+        have unit variance over the unit-RMS final hidden state.
+
+        Samples are drawn in float32 on ``generator``'s device and then copied, so the
+        values depend only on the generator state and the shape, not on the dtype or
+        device of ``full``.
+        """
+        shape, std = _init_rule(self.args, canonical_param_name(name))
+        if tuple(full.shape) != shape:
+            raise ValueError(
+                f"{name}: expected the full tensor of shape {shape}, got {tuple(full.shape)}"
+                " (pass the unsharded tensor, not a shard)"
+            )
+        with torch.no_grad():
+            if std is None:
+                full.fill_(1.0)
+                return
+            sample = torch.empty(shape, dtype=torch.float32, device=generator.device)
+            sample.normal_(mean=0.0, std=std, generator=generator)
+            full.copy_(sample)
+
+
+def _init_rule(args: LlamaArgs, name: str) -> tuple[tuple[int, ...], float | None]:
+    """``(full shape, std)`` for a canonical parameter name; std ``None`` means ones."""
+    base_std = 0.02
+    residual_std = base_std / math.sqrt(2 * args.n_layers)
+    q_out = args.n_heads * args.head_dim
+    kv_out = args.n_kv_heads * args.head_dim
+    if name == "tok_embeddings.weight":
+        return (args.vocab_size, args.dim), base_std
+    if name == "output.weight":
+        # When tied this is the same tensor as the embedding; one rule keeps the
+        # numbers independent of which of the two names a caller used.
+        std = base_std if args.tie_embeddings else args.dim**-0.5
+        return (args.vocab_size, args.dim), std
+    if name == "norm.weight":
+        return (args.dim,), None
+    match = _LAYER_PARAM.fullmatch(name)
+    if match is not None and int(match.group(1)) < args.n_layers:
+        layer_rules: dict[str, tuple[tuple[int, ...], float | None]] = {
+            "attention_norm.weight": ((args.dim,), None),
+            "ffn_norm.weight": ((args.dim,), None),
+            "attention.wq.weight": ((q_out, args.dim), base_std),
+            "attention.wk.weight": ((kv_out, args.dim), base_std),
+            "attention.wv.weight": ((kv_out, args.dim), base_std),
+            "attention.wo.weight": ((args.dim, q_out), residual_std),
+            "feed_forward.w1.weight": ((args.ffn_hidden, args.dim), base_std),
+            "feed_forward.w3.weight": ((args.ffn_hidden, args.dim), base_std),
+            "feed_forward.w2.weight": ((args.dim, args.ffn_hidden), residual_std),
+        }
+        if match.group(2) in layer_rules:
+            return layer_rules[match.group(2)]
+    raise KeyError(f"no init rule for parameter {name!r}")
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Stable per-parameter seed: the same on every rank, process and Python version.
+
+    Python's ``hash`` is salted per process, so a cryptographic digest is used; the
+    name is canonicalised so wrapping a block does not change its numbers.
+    """
+    key = f"{seed}/{canonical_param_name(name)}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def init_full_params(model: Llama, seed: int = 0) -> None:
+    """Initialise every parameter of an unsharded, materialised model in place.
+
+    For tests and single-process use; sharded training calls ``init_param`` on each
+    full tensor itself and keeps only its shard.
+    """
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
+        generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+        model.init_param(name, param.data, generator)
+
+
+def build_llama(args: LlamaArgs, device: torch.device | str = "meta") -> Llama:
+    """Construct a Llama with its parameters allocated on ``device`` (meta: no memory)."""
+    with torch.device(device):
+        return Llama(args)
+
+
+def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of distinct parameters (a tied head/embedding counts once).
+
+    ``exclude_embeddings`` drops the input embedding table unless it is tied, in
+    which case it is the output head and stays counted.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings and isinstance(model, Llama) and not model.args.tie_embeddings:
+        total -= model.tok_embeddings.weight.numel()
+    return total
+
+
+def count_params(args: LlamaArgs, exclude_embeddings: bool = False) -> int:
+    """Parameter count from the config alone, equal to ``num_params`` of the built model."""
+    q_out = args.n_heads * args.head_dim
+    kv_out = args.n_kv_heads * args.head_dim
+    attention = args.dim * q_out * 2 + args.dim * kv_out * 2
+    ffn = 3 * args.dim * args.ffn_hidden
+    per_layer = attention + ffn + 2 * args.dim
+    head = args.vocab_size * args.dim
+    non_embedding = args.n_layers * per_layer + args.dim + head
+    if exclude_embeddings or args.tie_embeddings:
+        return non_embedding
+    return non_embedding + args.vocab_size * args.dim
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward), for MFU.
+
+    ``6 * N + 12 * n_layers * (n_heads * head_dim) * seq_len``, the estimate from
+    the PaLM paper's appendix (also used by nanoGPT): 6 * N covers the matmuls with
+    every non-embedding weight (2 forward + 4 backward FLOPs per multiply-add), with
+    N counting the output head but not the embedding lookup, which is a gather; the
+    second term covers the attention score and value matmuls, which have no weights.
+    A tied head is counted once, as the head. The causal mask is ignored, as in the
+    reference, so this is the conventional (not the minimal) count.
+    """
+    n_non_embedding = count_params(args, exclude_embeddings=True)
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return float(6 * n_non_embedding + attention)

@@ -1,0 +1,105 @@
+"""Weights & Biases, rank 0 only, never in the way of training.
+
+wandb is imported only here and only when `logging.wandb=true`, so hosts without it still train.
+Online when the user is logged in, offline otherwise; the run id is kept in the run directory so
+a restarted run continues the same W&B run. Init runs in a thread with a deadline: a hung or
+failing W&B costs a warning, not the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+import threading
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+RUN_ID_FILE = "wandb_run_id"
+
+
+def _logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _call_with_deadline(fn, timeout_s: float) -> tuple[bool, Any]:
+    """(finished, result); the call keeps running in a daemon thread if it misses the deadline."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except Exception as exc:  # W&B failures of any kind must not stop training
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="wandb-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return False, None
+    if "error" in box:
+        raise box["error"]
+    return True, box.get("result")
+
+
+class WandbLogger:
+    def __init__(self, run: Any):
+        self.run = run
+
+    @classmethod
+    def start(cls, run_dir: str, config: dict, project: str, entity: Optional[str],
+              run_name: str, timeout_s: float) -> Optional["WandbLogger"]:
+        try:
+            import wandb
+        except ImportError:
+            log.warning("logging.wandb=true but wandb is not installed (pip install wandb); "
+                        "continuing without it, set logging.wandb=false to silence this")
+            return None
+        id_path = os.path.join(run_dir, RUN_ID_FILE)
+        if os.path.exists(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = wandb.util.generate_id()
+        mode = os.environ.get("WANDB_MODE") or ("online" if _logged_in() else "offline")
+
+        def init():
+            return wandb.init(project=project, entity=entity, name=run_name, id=run_id,
+                              resume="allow", dir=run_dir, config=config, mode=mode,
+                              settings=wandb.Settings(init_timeout=timeout_s, silent=True))
+        try:
+            finished, run = _call_with_deadline(init, timeout_s + 5)
+        except Exception as exc:
+            log.warning("W&B init failed (%s); continuing without W&B", exc)
+            return None
+        if not finished or run is None:
+            log.warning("W&B init did not finish in %.0fs; continuing without W&B "
+                        "(logging.wandb_init_timeout_s)", timeout_s)
+            return None
+        with open(id_path, "w") as f:
+            f.write(run_id)
+        log.info("W&B %s run %s in %s", mode, run_id, run_dir)
+        return cls(run)
+
+    def log(self, metrics: dict, step: int) -> None:
+        try:
+            self.run.log(metrics, step=step)
+        except Exception as exc:
+            log.warning("W&B log failed (%s); disabling W&B for this run", exc)
+            self.run = None
+
+    def finish(self, timeout_s: float = 60.0) -> None:
+        if self.run is None:
+            return
+        try:
+            finished, _ = _call_with_deadline(self.run.finish, timeout_s)
+            if not finished:
+                log.warning("W&B did not finish syncing in %.0fs; data stays in the run dir",
+                            timeout_s)
+        except Exception as exc:
+            log.warning("W&B finish failed (%s)", exc)
