@@ -12,11 +12,19 @@ import fnmatch
 from torch import nn
 
 
-def _wrapped_name(name: str) -> str:
-    # Wrappers applied per block (checkpointing, compile) insert a level into the module path;
-    # patterns are written against the user's model, so compare without it.
-    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
+_WRAPPER_LEVELS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter or module path as the user's model spells it.
+
+    Wrappers applied per block (checkpointing, compile, DDP) insert a level into the path; block
+    patterns, initialisation seeds and checkpoints are keyed by the unwrapped path.
+    """
+    if name.startswith("module."):  # DDP
+        name = name[len("module."):]
+    for level in _WRAPPER_LEVELS:
+        name = name.replace(level, "")
     return name
 
 
@@ -30,7 +38,7 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
     if pattern is not None:
         blocks: list[tuple[str, nn.Module]] = []
         for name, module in model.named_modules():
-            clean = _wrapped_name(name)
+            clean = canonical_name(name)
             if name and fnmatch.fnmatchcase(clean, pattern):
                 if not any(clean.startswith(outer + ".") for outer, _ in blocks):
                     blocks.append((clean, module))
@@ -49,7 +57,7 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
             continue
         total = sum(p.numel() for p in container.parameters())
         if total > best_params:
-            prefix = _wrapped_name(name) + "." if name else ""
+            prefix = canonical_name(name) + "." if name else ""
             best, best_params = [(prefix + child, m) for child, m in children], total
     if not best:
         raise ValueError("found no repeated blocks (a ModuleList/Sequential of at least two "
@@ -58,5 +66,5 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
 
 
 def _sample_paths(model: nn.Module, limit: int = 6) -> list[str]:
-    names = [_wrapped_name(n) for n, _ in model.named_modules() if n and n.count(".") <= 1]
+    names = [canonical_name(n) for n, _ in model.named_modules() if n and n.count(".") <= 1]
     return names[:limit]

@@ -9,25 +9,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import preset
+from trainer.build import init_params, param_seed
 from trainer.model import (
-    PRESETS,
     Llama,
     LlamaArgs,
     apply_rope,
     build_llama,
     count_params,
     flops_per_token,
-    init_full_params,
     num_params,
-    param_seed,
     rope_cos_sin,
 )
 
 
 def tiny_model(**overrides: object) -> Llama:
-    args = dataclasses.replace(PRESETS["tiny"], **overrides)
+    args = dataclasses.replace(preset("tiny"), **overrides)
     model = build_llama(args, device="cpu")
-    init_full_params(model, seed=0)
+    init_params(model, seed=0)
     return model
 
 
@@ -52,21 +51,21 @@ def test_bf16_model_returns_bf16_logits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("preset", "expected"),
+    ("name", "expected"),
     [("llama_1b", 1.24e9), ("llama_8b", 8.03e9), ("llama_70b", 70.6e9)],
 )
-def test_preset_param_counts_on_meta(preset: str, expected: float) -> None:
-    model = build_llama(PRESETS[preset])
+def test_preset_param_counts_on_meta(name: str, expected: float) -> None:
+    model = build_llama(preset(name))
     assert all(p.is_meta for p in model.parameters())
     total = num_params(model)
     assert abs(total - expected) / expected < 0.02
-    assert total == count_params(PRESETS[preset])
+    assert total == count_params(preset(name))
 
 
 def test_tied_head_shares_embedding_and_survives_to_empty() -> None:
-    model = build_llama(PRESETS["llama_1b"])
+    model = build_llama(preset("llama_1b"))
     assert model.output.weight is model.tok_embeddings.weight
-    tiny_tied = build_llama(dataclasses.replace(PRESETS["tiny"], tie_embeddings=True))
+    tiny_tied = build_llama(dataclasses.replace(preset("tiny"), tie_embeddings=True))
     tiny_tied.to_empty(device="cpu")
     assert tiny_tied.output.weight is tiny_tied.tok_embeddings.weight
     names = [name for name, _ in tiny_tied.named_parameters()]
@@ -74,21 +73,21 @@ def test_tied_head_shares_embedding_and_survives_to_empty() -> None:
 
 
 def test_num_params_exclude_embeddings() -> None:
-    untied = build_llama(PRESETS["llama_8b"])
-    embed = PRESETS["llama_8b"].vocab_size * PRESETS["llama_8b"].dim
+    untied = build_llama(preset("llama_8b"))
+    embed = preset("llama_8b").vocab_size * preset("llama_8b").dim
     assert num_params(untied, exclude_embeddings=True) == num_params(untied) - embed
     # A tied table is the head, so excluding embeddings removes nothing.
-    tied = build_llama(PRESETS["llama_1b"])
+    tied = build_llama(preset("llama_1b"))
     assert num_params(tied, exclude_embeddings=True) == num_params(tied)
 
 
 def test_flops_per_token_formula() -> None:
-    args = PRESETS["llama_8b"]
+    args = preset("llama_8b")
     n = num_params(build_llama(args), exclude_embeddings=True)
     expected = 6 * n + 12 * args.n_layers * args.dim * 4096
     assert flops_per_token(args, 4096) == pytest.approx(expected)
     # Tied 1B: head counted once, embedding not again.
-    args_1b = PRESETS["llama_1b"]
+    args_1b = preset("llama_1b")
     n_1b = num_params(build_llama(args_1b))
     expected_1b = 6 * n_1b + 12 * args_1b.n_layers * args_1b.dim
     assert flops_per_token(args_1b, 1) == pytest.approx(expected_1b)
@@ -166,14 +165,14 @@ def test_init_is_bitwise_reproducible() -> None:
     first, second = tiny_model(), tiny_model()
     for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters()):
         assert torch.equal(a, b), name
-    other_seed = build_llama(PRESETS["tiny"], device="cpu")
-    init_full_params(other_seed, seed=1)
+    other_seed = build_llama(preset("tiny"), device="cpu")
+    init_params(other_seed, seed=1)
     wq_other = other_seed.layers[0].attention.wq.weight
     assert not torch.equal(wq_other, first.layers[0].attention.wq.weight)
 
 
 def test_init_param_deterministic_and_device_dtype_independent() -> None:
-    model = build_llama(PRESETS["tiny"])
+    model = build_llama(preset("tiny"))
     name = "layers.1.feed_forward.w1.weight"
     shape = (model.args.ffn_hidden, model.args.dim)
 
@@ -188,9 +187,9 @@ def test_init_param_deterministic_and_device_dtype_independent() -> None:
 
 
 def test_init_stds_and_norms() -> None:
-    args = dataclasses.replace(PRESETS["tiny"], vocab_size=1024)
+    args = dataclasses.replace(preset("tiny"), vocab_size=1024)
     model = build_llama(args, device="cpu")
-    init_full_params(model, seed=0)
+    init_params(model, seed=0)
     residual = 0.02 / math.sqrt(2 * args.n_layers)
     expected = {
         "tok_embeddings.weight": 0.02,
@@ -211,7 +210,7 @@ def test_init_stds_and_norms() -> None:
 
 
 def test_init_param_rejects_unknown_names_and_shards() -> None:
-    model = build_llama(PRESETS["tiny"])
+    model = build_llama(preset("tiny"))
     generator = torch.Generator().manual_seed(0)
     for bad in ("layers.4.attention.wq.weight", "layers.0.attention.bias", "head.weight"):
         with pytest.raises(KeyError):
@@ -225,9 +224,6 @@ def test_param_seed_is_stable_and_distinct() -> None:
     assert param_seed(0, "norm.weight") != param_seed(1, "norm.weight")
     layer0, layer1 = "layers.0.attention.wq.weight", "layers.1.attention.wq.weight"
     assert param_seed(0, layer0) != param_seed(0, layer1)
-    # Wrapper-inserted path components do not change the seed.
-    wrapped = "layers.0._checkpoint_wrapped_module.attention.wq.weight"
-    assert param_seed(0, wrapped) == param_seed(0, "layers.0.attention.wq.weight")
     assert 0 <= param_seed(123, "norm.weight") < 2**63
 
 

@@ -6,14 +6,14 @@ Nothing here is specific to Llama: the model contributes `init_param(name, full,
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from checkpointing.blocks import find_blocks
+from checkpointing.blocks import canonical_name, find_blocks
 from checkpointing.plan import BlockPlan
 from launch.env import DistEnv
 from sharding import fsdp
@@ -27,6 +27,11 @@ def llama_args(cfg: ModelConfig) -> LlamaArgs:
                      ffn_hidden=cfg.ffn_hidden, max_seq_len=cfg.max_seq_len,
                      norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, dropout=cfg.dropout,
                      tie_embeddings=cfg.tie_embeddings)
+
+
+def init_params(model: nn.Module, seed: int) -> None:
+    """Initialise an unsharded, materialised model exactly as `materialize` would."""
+    materialize(model, next(model.parameters()).device, seed, allocate=False)
 
 
 def build_llama_on_meta(cfg: ModelConfig) -> nn.Module:
@@ -44,13 +49,9 @@ def default_init(name: str, full: torch.Tensor, generator: torch.Generator) -> N
 
 
 def param_seed(seed: int, name: str) -> int:
-    return (zlib.crc32(name.encode()) * 1_000_003 + seed) % (2**63)
-
-
-def _clean(name: str) -> str:
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
-        name = name.replace(wrapper, "")
-    return name
+    """Per-parameter seed, the same on every rank and process (Python's hash() is salted)."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
@@ -66,20 +67,21 @@ def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int, allocate: bool = True) -> None:
     """Allocate real storage and initialise every parameter identically for any world size.
 
     Each parameter's full value comes from its own generator seeded by (seed, name); a rank
     keeps only its shard. So the weights do not depend on how many ranks share them.
     """
     init_fn: Callable = getattr(model, "init_param", None) or default_init
-    model.to_empty(device=device)
+    if allocate:
+        model.to_empty(device=device)
     seen: set[int] = set()
     for name, param in model.named_parameters():
         if id(param) in seen:  # tied weights are initialised once, under their first name
             continue
         seen.add(id(param))
-        clean = _clean(name)
+        clean = canonical_name(name)
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, clean))
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         init_fn(clean, full, generator)

@@ -9,6 +9,8 @@ command line is refused in well under a second, before any process group exists.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -164,6 +166,25 @@ def _require(cond: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+def _check_token_files(data: DataConfig, vocab_size: int) -> None:
+    for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
+        _require(os.path.isfile(path), key, f"no such file: {path}")
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(data.train_path)), "meta.json")
+    if not os.path.isfile(meta_path):
+        return  # files from other tools carry no metadata; trust model.vocab_size
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("data.train_path", f"unreadable {meta_path}: {exc}") from exc
+    data_vocab = int(meta.get("vocab_size", 0))
+    _require(data_vocab <= vocab_size, "model.vocab_size",
+             f"{vocab_size} is smaller than the tokenizer's vocabulary {data_vocab} ({meta_path})")
+    dtype = meta.get("dtype", data.token_dtype)
+    _require(dtype == data.token_dtype, "data.token_dtype",
+             f"{data.token_dtype} but {meta_path} says the files are {dtype}")
+
+
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     """Checks every value a type cannot, against the world this run will have."""
     for key, allowed in CHOICES.items():
@@ -206,6 +227,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
                  "data.source=tokens needs data.train_path=<file.bin> (see python -m trainer.tokenize)")
         _require(bool(cfg.data.val_path), "data.val_path",
                  "data.source=tokens needs data.val_path=<file.bin>")
+        _check_token_files(cfg.data, m.vocab_size)
     if cfg.data.source == "bytes":
         _require(m.vocab_size >= 256, "model.vocab_size",
                  f"data.source=bytes needs at least 256, got {m.vocab_size}")

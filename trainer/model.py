@@ -18,7 +18,6 @@ Parameter names follow Meta's reference implementation (``attention.wq``,
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -60,29 +59,6 @@ class LlamaArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-PRESETS: dict[str, LlamaArgs] = {
-    "tiny": LlamaArgs(
-        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256,
-        ffn_hidden=384, max_seq_len=512, rope_theta=10000.0, dropout=0.0,
-    ),
-    # Llama 3.2 1B.
-    "llama_1b": LlamaArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-        ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True,
-    ),
-    # Llama 3.1 8B.
-    "llama_8b": LlamaArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-        ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0,
-    ),
-    # Llama 3.1 70B.
-    "llama_70b": LlamaArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-        ffn_hidden=28672, max_seq_len=8192, rope_theta=500000.0,
-    ),
-}
 
 
 def rope_cos_sin(head_dim: int, seq_len: int, theta: float, device: torch.device) -> Rope:
@@ -192,15 +168,7 @@ class Block(nn.Module):
 
 # Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) insert into
 # parameter names; stripped so seeds and init rules do not depend on the wrapping.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)")
-
-
-def canonical_param_name(name: str) -> str:
-    """``name`` with wrapper-inserted path components removed."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 class Llama(nn.Module):
@@ -249,7 +217,7 @@ class Llama(nn.Module):
 
         Raises KeyError for names this model does not have.
         """
-        return _init_rule(self.args, canonical_param_name(name))[1]
+        return _init_rule(self.args, name)[1]
 
     def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full (unsharded) tensor of parameter ``name`` in place.
@@ -265,7 +233,7 @@ class Llama(nn.Module):
         values depend only on the generator state and the shape, not on the dtype or
         device of ``full``.
         """
-        shape, std = _init_rule(self.args, canonical_param_name(name))
+        shape, std = _init_rule(self.args, name)
         if tuple(full.shape) != shape:
             raise ValueError(
                 f"{name}: expected the full tensor of shape {shape}, got {tuple(full.shape)}"
@@ -311,30 +279,6 @@ def _init_rule(args: LlamaArgs, name: str) -> tuple[tuple[int, ...], float | Non
         if match.group(2) in layer_rules:
             return layer_rules[match.group(2)]
     raise KeyError(f"no init rule for parameter {name!r}")
-
-
-def param_seed(seed: int, name: str) -> int:
-    """Stable per-parameter seed: the same on every rank, process and Python version.
-
-    Python's ``hash`` is salted per process, so a cryptographic digest is used; the
-    name is canonicalised so wrapping a block does not change its numbers.
-    """
-    key = f"{seed}/{canonical_param_name(name)}".encode()
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def init_full_params(model: Llama, seed: int = 0) -> None:
-    """Initialise every parameter of an unsharded, materialised model in place.
-
-    For tests and single-process use; sharded training calls ``init_param`` on each
-    full tensor itself and keeps only its shard.
-    """
-    for name, param in model.named_parameters():
-        if param.is_meta:
-            raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
-        generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
-        model.init_param(name, param.data, generator)
 
 
 def build_llama(args: LlamaArgs, device: torch.device | str = "meta") -> Llama:
