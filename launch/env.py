@@ -72,6 +72,11 @@ def init_distributed(denv: DistEnv, timeout_s: int) -> None:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """clean: all ranks got here; wait for each other (a failed rank never would)."""
     if dist.is_initialized():
+        if clean:
+            # A rank that tears down its gloo pairs while a peer still talks to it aborts the
+            # peer ("terminate called without an active exception"); leave together.
+            dist.barrier()
         dist.destroy_process_group()

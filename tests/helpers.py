@@ -15,3 +15,91 @@ def config(*overrides: str) -> Config:
 def preset(name: str) -> LlamaArgs:
     """The Llama shapes of conf/model/<name>.yaml (the one place presets are defined)."""
     return llama_args(config(f"model={name}").model)
+
+
+# --- running the trainer as a user does -----------------------------------------------------
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+# Fast, deterministic CLI runs: a short tiny-model job without W&B unless a test asks for it.
+QUICK = ["data.seq_len=64", "train.micro_batch_size=4", "train.eval_every=5",
+         "train.eval_batches=2", "logging.every=1", "logging.wandb=false",
+         "logging.progress=false", "optim.warmup_steps=2", "data.max_corpus_bytes=2000000"]
+
+
+def subprocess_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_trainer(overrides: Sequence[str], cwd: Path, nproc: int = 1, timeout: float = 300,
+                env: Optional[dict] = None, torchrun_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """`python -m trainer ...`, or under torchrun with nproc processes."""
+    if nproc == 1 and not torchrun_args:
+        cmd = [sys.executable, "-m", "trainer", *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               *(torchrun_args or ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]),
+               "-m", "trainer", *overrides]
+    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def check_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def read_wandb_records(path: Path) -> list:
+    """Records of an offline W&B run file: a 7-byte W&B header, then LevelDB log blocks of
+    32 KiB holding length-prefixed protobuf `Record`s (FULL=1, FIRST=2, MIDDLE=3, LAST=4)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        left_in_block = block - pos % block
+        if left_in_block < 7:
+            pos += left_in_block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records

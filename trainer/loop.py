@@ -81,8 +81,10 @@ def train(cfg: Config, layout: Layout, run_dir: str) -> None:
     init_distributed(denv, cfg.train.dist_timeout_s)
     try:
         _train(cfg, layout, run_dir, denv)
-    finally:
-        shutdown()
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown()
 
 
 def _start_logging(cfg: Config, denv: DistEnv, run_dir: str) -> RunLogger:

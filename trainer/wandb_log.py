@@ -12,6 +12,7 @@ import logging
 import netrc
 import os
 import threading
+import uuid
 from typing import Any, Optional
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class WandbLogger:
             with open(id_path) as f:
                 run_id = f.read().strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = uuid.uuid4().hex[:12]
         mode = os.environ.get("WANDB_MODE") or ("online" if _logged_in() else "offline")
 
         def init():

@@ -1,0 +1,138 @@
+"""Config: every YAML composes and validates; every bad input is one line, once, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import asdict
+from importlib.resources import files
+
+import pytest
+
+from tests.helpers import config, run_trainer, subprocess_env
+from trainer.cli import check
+from trainer.config import ConfigError
+
+GROUPS = ("model", "data", "optim", "train", "sharding", "checkpointing", "offload", "logging")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.name[:-5] for p in files("conf").joinpath(group).iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
+    options = _options(group)
+    assert options, f"conf/{group} has no YAML"
+    for option in options:
+        overrides = [f"{group}={option}"]
+        if (group, option) == ("data", "tokens"):
+            (tmp_path / "train.bin").write_bytes(bytes(4096))
+            (tmp_path / "val.bin").write_bytes(bytes(4096))
+            overrides += [f"data.train_path={tmp_path / 'train.bin'}",
+                          f"data.val_path={tmp_path / 'val.bin'}"]
+        if group == "model" and option != "tiny":
+            overrides.append("data.source=synthetic")
+        cfg, layout = check(overrides, env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+        assert getattr(cfg, group) is not None and layout.world_size == 2
+        if group == "model":
+            assert cfg.model.name == option  # the preset's name matches its file
+
+
+def test_config_keys_are_frozen() -> None:
+    """Adding or renaming a key is deliberate: update this list and README's reference."""
+    keys = {f"{group}.{key}" for group, node in asdict(config()).items() for key in node}
+    assert keys == {
+        "model.name", "model.arch", "model.dim", "model.n_layers", "model.n_heads",
+        "model.n_kv_heads", "model.vocab_size", "model.ffn_hidden", "model.max_seq_len",
+        "model.norm_eps", "model.rope_theta", "model.dropout", "model.tie_embeddings",
+        "model.block_pattern",
+        "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
+        "data.max_corpus_bytes",
+        "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",
+        "optim.beta1", "optim.beta2", "optim.eps", "optim.grad_clip",
+        "train.steps", "train.seed", "train.micro_batch_size", "train.grad_accum",
+        "train.global_batch_size", "train.eval_every", "train.eval_batches", "train.run_name",
+        "train.out_dir", "train.device", "train.dist_timeout_s",
+        "sharding.mode", "sharding.replicate", "sharding.reshard_after_forward",
+        "sharding.param_dtype", "sharding.reduce_dtype",
+        "checkpointing.policy", "offload.target",
+        "logging.every", "logging.progress", "logging.wandb", "logging.wandb_project",
+        "logging.wandb_entity", "logging.wandb_init_timeout_s",
+    }
+
+
+def test_derived_layout() -> None:
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    _, layout = check(["sharding=hsdp"], env)  # replicate defaults to the number of nodes
+    assert (layout.replicate, layout.shard) == (2, 2)
+    _, layout = check(["train.micro_batch_size=2", "train.global_batch_size=32"], env)
+    assert (layout.grad_accum, layout.global_batch_size) == (4, 32)
+
+
+# (overrides, key the one-line message must name, world size)
+BAD_INPUTS = [
+    (["train.steps=abc"], "train.steps", 1),
+    (["train.steps=1.5"], "train.steps", 1),
+    (["train.steps=-3"], "train.steps", 1),
+    (["train.micro_batch_size=0"], "train.micro_batch_size", 1),
+    (["data.seq_len=0"], "data.seq_len", 1),
+    (["optim.lr=-1"], "optim.lr", 1),
+    (["logging.wandb=maybe"], "logging.wandb", 1),
+    (["model=gpt5"], "model=gpt5", 1),
+    (["sharding=zero3"], "sharding=zero3", 1),
+    (["train.stepz=3"], "train.stepz", 1),
+    (["+train.extra=1"], "train.extra", 1),
+    (["colour=blue"], "colour", 1),
+    (["sharding=hsdp", "sharding.replicate=3"], "sharding.replicate", 2),
+    (["sharding.replicate=2"], "sharding.replicate", 2),
+    (["train.micro_batch_size=3", "train.global_batch_size=16"], "train.global_batch_size", 2),
+    (["data.seq_len=4096"], "data.seq_len", 1),
+    (["model.n_heads=3"], "model.n_heads", 1),
+    (["data.source=web"], "data.source", 1),
+    (["sharding.param_dtype=fp8"], "sharding.param_dtype", 1),
+    (["sharding=none", "sharding.param_dtype=bfloat16"], "sharding.param_dtype", 1),
+    (["data.source=tokens", "data.train_path=/nonexistent.bin", "data.val_path=/x.bin"],
+     "data.train_path", 1),
+    (["model.dropout=1.5"], "model.dropout", 1),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "world"), BAD_INPUTS,
+                         ids=[" ".join(o) for o, _, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_naming_the_key(overrides, key, world) -> None:
+    env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    with pytest.raises(ConfigError) as info:
+        check(overrides, env)
+    message = str(info.value)
+    assert key in message and "\n" not in message
+
+
+@pytest.mark.parametrize("overrides", [["train.steps=abc"], ["model=gpt5"], ["train.stepz=3"],
+                                        ["train.micro_batch_size=0"]])
+def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(overrides, tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-m", "trainer", *overrides], cwd=tmp_path,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory, no outputs/
+
+
+def test_torchrun_bad_input_reported_once_before_any_process_group(tmp_path) -> None:
+    result = run_trainer(["sharding=hsdp", "sharding.replicate=3"], cwd=tmp_path, nproc=2,
+                         timeout=120)
+    assert result.returncode != 0
+    ours = [line for line in (result.stdout + result.stderr).splitlines()
+            if line.startswith("error: ")]
+    assert ours == ["error: sharding.replicate: 3 does not divide the world size 2"]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_help_still_reaches_hydra(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-m", "trainer", "--cfg", "job"], cwd=tmp_path,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "micro_batch_size: 16" in result.stdout
