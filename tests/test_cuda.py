@@ -1,0 +1,24 @@
+"""CUDA paths: NCCL, one GPU per local rank, bf16 mixed precision, MFU. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import QUICK, check_ok, read_metrics, run_trainer
+
+
+@pytest.mark.cuda
+def test_cuda_training_reports_mfu(tmp_path) -> None:
+    import torch
+
+    nproc = min(2, torch.cuda.device_count())
+    run_dir = tmp_path / "run"
+    check_ok(run_trainer(QUICK + ["train.steps=4", "sharding.param_dtype=bfloat16",
+                                  "sharding.reduce_dtype=float32", f"hydra.run.dir={run_dir}"],
+                         cwd=tmp_path, nproc=nproc))
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert len(logged) == 4
+    # peak_mem_bytes is the CUDA allocator's high-water mark, far below a process's RSS.
+    assert all(0 < m["peak_mem_bytes"] < 2**30 for m in logged)
+    if any(k in torch.cuda.get_device_name() for k in ("H100", "H200", "A100")):
+        assert all(0 < m["mfu"] < 1 for m in logged)
