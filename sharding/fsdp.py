@@ -57,8 +57,17 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip gradient communication on all but the last micro-batch of an accumulation."""
+    """Which gradient communication a micro-batch does that is not the last of its step.
+
+    FSDP: reduce-scatter every micro-batch anyway. Skipping it would keep whole unsharded
+    gradients alive between micro-batches, the memory FSDP exists to save.
+    HSDP: reduce-scatter within the shard group every time, but all-reduce across replicas only
+    on the last micro-batch (the sharded gradients it reduces are small).
+    DDP: all-reduce only on the last micro-batch (its gradients are whole anyway).
+    """
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        mesh = next(iter(model.parameters())).device_mesh
+        if mesh.ndim == 2:
+            model.set_requires_all_reduce(enabled)
     elif hasattr(model, "require_backward_grad_sync"):  # DDP, without a context manager
         model.require_backward_grad_sync = enabled

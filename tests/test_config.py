@@ -96,6 +96,7 @@ BAD_INPUTS = [
     (["data.source=tokens", "data.train_path=/nonexistent.bin", "data.val_path=/x.bin"],
      "data.train_path", 1),
     (["model.dropout=1.5"], "model.dropout", 1),
+    (["train.device=tpu"], "train.device", 1),
 ]
 
 
@@ -107,6 +108,26 @@ def test_bad_input_is_one_line_naming_the_key(overrides, key, world) -> None:
         check(overrides, env)
     message = str(info.value)
     assert key in message and "\n" not in message
+
+
+def test_token_files_are_checked_before_start(tmp_path) -> None:
+    (tmp_path / "train.bin").write_bytes(bytes(2 * 1000))
+    (tmp_path / "val.bin").write_bytes(bytes(2 * 10))
+    (tmp_path / "meta.json").write_text('{"vocab_size": 50257, "dtype": "uint16"}')
+    paths = [f"data.train_path={tmp_path / 'train.bin'}", f"data.val_path={tmp_path / 'val.bin'}"]
+    with pytest.raises(ConfigError, match="model.vocab_size: 256 is smaller than .* 50257"):
+        check(["data=tokens", "data.seq_len=8", *paths], {})
+    with pytest.raises(ConfigError, match="data.val_path: .* holds 10 tokens"):
+        check(["data=tokens", "model.vocab_size=50304", *paths], {})
+    with pytest.raises(ConfigError, match="data.token_dtype: uint32 but .* uint16"):
+        check(["data=tokens", "model.vocab_size=50304", "data.seq_len=8",
+               "data.token_dtype=uint32", *paths], {})
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_a_gpu_is_refused_before_start() -> None:
+    with pytest.raises(ConfigError, match="train.device: cuda, but no CUDA device"):
+        check(["train.device=cuda"], {})
 
 
 @pytest.mark.parametrize("overrides", [["train.steps=abc"], ["model=gpt5"], ["train.stepz=3"],

@@ -30,11 +30,15 @@ def _grad_norms(run_dir: Path) -> list[float]:
     ["sharding=fsdp"],
     ["sharding=hsdp", "sharding.replicate=2"],
     ["sharding=none"],  # DDP
-], ids=["fsdp", "hsdp", "ddp"])
+    ["sharding=hsdp", "sharding.replicate=2", "train.grad_accum=2"],
+    ["sharding=fsdp", "train.grad_accum=2"],
+    ["sharding=none", "train.grad_accum=2"],
+], ids=["fsdp", "hsdp", "ddp", "hsdp-accum", "fsdp-accum", "ddp-accum"])
 def test_two_ranks_match_one_process(layout, single_process, tmp_path) -> None:
     run_dir = tmp_path / "run"
-    result = run_trainer(COMMON + layout + ["train.micro_batch_size=2", f"hydra.run.dir={run_dir}"],
-                         cwd=tmp_path, nproc=2)
+    micro = 1 if "train.grad_accum=2" in layout else 2  # 4 sequences per step in all cases
+    result = run_trainer(COMMON + layout + [f"train.micro_batch_size={micro}",
+                                            f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     check_ok(result)
     two_rank = losses(run_dir)
     assert len(two_rank) == STEPS

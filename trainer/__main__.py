@@ -28,7 +28,7 @@ def _run(cfg: DictConfig) -> None:
         layout = cli.validate(config, world_size=world, num_nodes=nodes)
     except ConfigError as exc:  # reached by `-m` sweeps, which skip the pre-flight check
         cli.report(exc)
-        sys.exit(cli.USAGE_ERROR)
+        cli.exit_after_error()
 
     from trainer.loop import train
 
@@ -37,9 +37,8 @@ def _run(cfg: DictConfig) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    code = cli.preflight(argv)
-    if code:
-        sys.exit(code)
+    if cli.preflight(argv):
+        cli.exit_after_error()
     register_schema()
     register_resolver()
     sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)

@@ -121,7 +121,22 @@ def check(overrides: Sequence[str], env: Mapping[str, str]) -> tuple[Config, Lay
         raise
     except Exception as exc:  # Hydra and OmegaConf raise many types; all are user input here
         raise ConfigError("config", describe_compose_error(exc)) from exc
-    return cfg, validate(cfg, world_size=world, num_nodes=nodes)
+    layout = validate(cfg, world_size=world, num_nodes=nodes)
+    if cfg.train.device == "cuda":
+        _check_gpus(int(env.get("LOCAL_WORLD_SIZE", str(world))))
+    return cfg, layout
+
+
+def _check_gpus(local_world_size: int) -> None:
+    import torch  # only when asked for CUDA: every other check stays torch-free and instant
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError("train.device", "cuda, but no CUDA device is visible; use "
+                          "train.device=cpu or auto")
+    if local_world_size > count:
+        raise ConfigError("train.device", f"cuda with {local_world_size} processes per node but "
+                          f"{count} GPUs; set torchrun --nproc-per-node to at most {count}")
 
 
 def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
@@ -134,6 +149,21 @@ def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
         report(exc, env)
         return USAGE_ERROR
     return 0
+
+
+# A launcher (torchrun, srun --kill-on-bad-exit) kills the other workers as soon as one fails. If
+# a silent rank failed first, rank 0 could be killed before printing the one error line; the
+# silent ranks therefore fail a moment later, normally after rank 0 has already ended the job.
+SILENT_RANK_EXIT_DELAY_S = 3.0
+
+
+def exit_after_error(env: Mapping[str, str] = os.environ) -> None:
+    rank, _, _ = world_from_env(env)
+    if rank != 0:
+        import time
+
+        time.sleep(SILENT_RANK_EXIT_DELAY_S)
+    sys.exit(USAGE_ERROR)
 
 
 def report(exc: ConfigError, env: Mapping[str, str] = os.environ) -> None:

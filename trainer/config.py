@@ -149,10 +149,6 @@ class Layout:
     grad_accum: int
     global_batch_size: int  # sequences per optimizer step
 
-    @property
-    def dp_size(self) -> int:
-        return self.world_size
-
 
 def _get(cfg: Config, key: str):
     node = cfg
@@ -170,19 +166,25 @@ def _check_token_files(data: DataConfig, vocab_size: int) -> None:
     for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
         _require(os.path.isfile(path), key, f"no such file: {path}")
     meta_path = os.path.join(os.path.dirname(os.path.abspath(data.train_path)), "meta.json")
-    if not os.path.isfile(meta_path):
-        return  # files from other tools carry no metadata; trust model.vocab_size
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("data.train_path", f"unreadable {meta_path}: {exc}") from exc
-    data_vocab = int(meta.get("vocab_size", 0))
-    _require(data_vocab <= vocab_size, "model.vocab_size",
-             f"{vocab_size} is smaller than the tokenizer's vocabulary {data_vocab} ({meta_path})")
-    dtype = meta.get("dtype", data.token_dtype)
-    _require(dtype == data.token_dtype, "data.token_dtype",
-             f"{data.token_dtype} but {meta_path} says the files are {dtype}")
+    if os.path.isfile(meta_path):  # written by `python -m trainer.tokenize`; other tools have none
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("data.train_path", f"unreadable {meta_path}: {exc}") from exc
+        dtype = meta.get("dtype", data.token_dtype)
+        _require(dtype == data.token_dtype, "data.token_dtype",
+                 f"{data.token_dtype} but {meta_path} says the files are {dtype}")
+        data_vocab = int(meta.get("vocab_size", 0))
+        _require(data_vocab <= vocab_size, "model.vocab_size",
+                 f"{vocab_size} is smaller than the tokenizer's vocabulary {data_vocab} "
+                 f"({meta_path})")
+    width = 2 if data.token_dtype == "uint16" else 4
+    for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
+        num_tokens = os.path.getsize(path) // width
+        _require(num_tokens > data.seq_len, key,
+                 f"{path} holds {num_tokens} tokens, fewer than one sample of data.seq_len+1="
+                 f"{data.seq_len + 1}; lower data.seq_len or add data")
 
 
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:

@@ -42,7 +42,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm)."""
     total_loss = torch.zeros((), device=micro_batches[0][0].device)
     for i, (inputs, targets) in enumerate(micro_batches):
-        # Gradients are reduced across ranks only once, on the last micro-batch.
+        # Cross-rank reduction is deferred to the last micro-batch where that saves traffic.
         set_grad_sync(model, i == len(micro_batches) - 1)
         loss = lm_loss(model, inputs, targets) / len(micro_batches)
         loss.backward()
@@ -139,10 +139,10 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
 
     logger.record({"step": 0, "val_loss": evaluate(model, val_data)})
     for step in range(1, t.steps + 1):
+        started = time.perf_counter()  # the step's time includes reading its batch
         micro_batches = _to(train_batch(train_set, step - 1, t.micro_batch_size, layout.grad_accum,
                                         denv.rank, denv.world_size, t.seed), device)
         lr = scheduler.get_last_lr()[0]
-        started = time.perf_counter()
         loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip)
         loss_value = mean_over_ranks(loss)  # also waits for the step to finish
         step_time = time.perf_counter() - started
