@@ -66,8 +66,14 @@ def set_grad_sync(model: nn.Module, enabled: bool) -> None:
     DDP: all-reduce only on the last micro-batch (its gradients are whole anyway).
     """
     if isinstance(model, FSDPModule):
-        mesh = next(iter(model.parameters())).device_mesh
-        if mesh.ndim == 2:
-            model.set_requires_all_reduce(enabled)
+        model.set_requires_all_reduce(enabled)  # no all-reduce exists without a replicate dim
     elif hasattr(model, "require_backward_grad_sync"):  # DDP, without a context manager
         model.require_backward_grad_sync = enabled
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free unsharded parameters a forward without backward left behind (eval with
+    reshard_after_forward=false), so evaluation does not raise training's memory."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

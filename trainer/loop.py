@@ -19,7 +19,7 @@ from torch import nn
 
 from checkpointing.plan import describe, make_plan, plan_to_json
 from launch.env import DistEnv, init_distributed, read_env, shutdown
-from sharding.fsdp import apply_ddp, set_grad_sync
+from sharding.fsdp import apply_ddp, reshard_all, set_grad_sync
 from trainer.build import (build_llama_on_meta, find_model_blocks, llama_args, materialize,
                            shard_model)
 from trainer.config import Config, Layout
@@ -68,6 +68,7 @@ def evaluate(model: nn.Module, batches: Sequence[Batch]) -> float:
     total = torch.zeros((), device=batches[0][0].device)
     for inputs, targets in batches:
         total += lm_loss(model, inputs, targets)
+    reshard_all(model)
     model.train()
     return mean_over_ranks(total / len(batches))
 
