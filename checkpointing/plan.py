@@ -8,8 +8,9 @@ model is materialised.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 Recompute = Literal["none", "full", "selective"]
 Offload = Literal["none", "inputs", "all"]
@@ -26,18 +27,74 @@ class BlockPlan:
     shard: bool = True
 
 
-def make_plan(block_names: Sequence[str], policy: str, shard: bool) -> list[BlockPlan]:
-    """One BlockPlan per block for `checkpointing.policy`.
+POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
 
-    shard: whether blocks are fully_shard-ed (False for sharding=none).
+
+def sqrt_interval(num_blocks: int) -> int:
+    return max(1, math.ceil(math.sqrt(num_blocks)))
+
+
+def recompute_pattern(policy: str, num_blocks: int, every: int = 1) -> list[Recompute]:
+    """What each block recomputes under a fixed (profile-free) policy.
+
+    every_k: recompute every k-th block (blocks 0, k, 2k, ...), keep the rest.
+    sqrt: the per-block form of the sqrt(N) schedule: only ~sqrt(N) evenly spaced blocks keep
+      their activations (every k-th with k = ceil(sqrt N)), all others recompute. Activation
+      memory is then O(sqrt N) blocks' worth plus one input per recomputed block, for about one
+      extra forward.
     """
-    if policy != "none":
-        raise ValueError(f"checkpointing.policy={policy!r} is not available; choose none")
-    return [BlockPlan(index=i, name=name, shard=shard) for i, name in enumerate(block_names)]
+    if policy == "none":
+        return ["none"] * num_blocks
+    if policy == "full":
+        return ["full"] * num_blocks
+    if policy == "selective":
+        return ["selective"] * num_blocks
+    if policy == "every_k":
+        return ["full" if i % every == 0 else "none" for i in range(num_blocks)]
+    if policy == "sqrt":
+        k = sqrt_interval(num_blocks)
+        return ["none" if i % k == k - 1 else "full" for i in range(num_blocks)]
+    raise ValueError(f"checkpointing.policy={policy!r} needs profiles; choose one of "
+                     f"{', '.join(POLICIES)}")
+
+
+def make_plan(block_names: Sequence[str], recompute: Sequence[Recompute],
+              shard: bool) -> list[BlockPlan]:
+    """One BlockPlan per block. shard: whether blocks are fully_shard-ed (False: sharding=none)."""
+    return [BlockPlan(index=i, name=name, recompute=r, shard=shard)
+            for i, (name, r) in enumerate(zip(block_names, recompute, strict=True))]
 
 
 def plan_to_json(plan: Sequence[BlockPlan]) -> str:
     return json.dumps([asdict(p) for p in plan], indent=1)
+
+
+def plan_rows(plan: Sequence[BlockPlan], profiles: Optional[Sequence] = None) -> list[dict]:
+    """One dict per block: the plan, plus profiled bytes and seconds of its choice if known."""
+    rows = []
+    for i, p in enumerate(plan):
+        row = asdict(p)
+        if profiles is not None:
+            row["saved_bytes"] = profiles[i].saved_bytes[p.recompute]
+            row["recompute_s"] = profiles[i].cost_s[p.recompute]
+        rows.append(row)
+    return rows
+
+
+def plan_table(plan: Sequence[BlockPlan], profiles: Optional[Sequence] = None) -> str:
+    """The plan as a terminal table (printed at start)."""
+    rows = plan_rows(plan, profiles)
+    header = f"{'block':>5} {'name':<24} {'recompute':<10} {'offload':<8} {'shard':<5}"
+    if profiles is not None:
+        header += f" {'saved MiB':>10} {'recompute ms':>12}"
+    lines = [header]
+    for r in rows:
+        line = (f"{r['index']:>5} {r['name']:<24} {r['recompute']:<10} {r['offload']:<8} "
+                f"{str(r['shard']):<5}")
+        if profiles is not None:
+            line += f" {r['saved_bytes'] / 2**20:>10.2f} {r['recompute_s'] * 1e3:>12.2f}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def describe(plan: Sequence[BlockPlan]) -> str:

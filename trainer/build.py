@@ -7,18 +7,25 @@ Nothing here is specific to Llama: the model contributes `init_param(name, full,
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+import torch.distributed as dist
+
 from checkpointing.blocks import canonical_name, find_blocks
 from checkpointing.plan import BlockPlan
+from checkpointing.policies import Budget, choose_plan, resolve_budget
+from checkpointing.profile import BlockProfile, profile_blocks, trace_on_meta
+from checkpointing.saved import SavedBytesMeter
+from checkpointing.wrap import apply_checkpointing, resolve_ops
 from launch.env import DistEnv
 from sharding import fsdp
-from trainer.config import ModelConfig, ShardingConfig
-from trainer.model import LlamaArgs, build_llama
+from trainer.config import Config, ModelConfig
+from trainer.model import LlamaArgs, build_llama, lm_loss
 
 
 def llama_args(cfg: ModelConfig) -> LlamaArgs:
@@ -93,14 +100,60 @@ def materialize(model: nn.Module, device: torch.device, seed: int, allocate: boo
         model.reset_buffers()
 
 
-def shard_model(model: nn.Module, blocks: Sequence[nn.Module], plan: Sequence[BlockPlan],
-                cfg: ShardingConfig, denv: DistEnv, replicate: int) -> tuple[nn.Module, object]:
-    """Applies the sharding part of the plan; returns (model to train, mesh or None)."""
-    mesh = fsdp.build_mesh(cfg.mode, denv.device.type, denv.world_size, replicate)
+@dataclass
+class Built:
+    model: nn.Module
+    plan: list[BlockPlan]
+    profiles: Optional[list[BlockProfile]]  # when some block recomputes
+    rest_saved_bytes: int  # activations kept outside the blocks (from the meta trace)
+    budget: Optional[Budget]
+
+
+def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Sequence[nn.Module],
+                denv: DistEnv) -> tuple[list[BlockPlan], Optional[list[BlockProfile]], int,
+                                        Optional[Budget]]:
+    """The per-block plan; profiles blocks (rank 0, shared with all) when recompute is in play."""
+    c, shard = cfg.checkpointing, cfg.sharding.mode != "none"
+    if c.policy == "none":
+        return choose_plan("none", names, shard), None, 0, None
+    payload = [None]
+    if denv.rank == 0:
+        tokens = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long,
+                             device="meta")
+        trace = trace_on_meta(model, blocks, lambda m: lm_loss(m, tokens, tokens))
+        profiles = profile_blocks(blocks, trace, denv.device, resolve_ops(c.save_ops),
+                                  c.profile_repeats)
+        payload = [(profiles, trace.rest_saved_bytes)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Timings differ between ranks; every rank must carry out the same plan.
+        dist.broadcast_object_list(payload, src=0)
+    profiles, rest = payload[0]
+    budget = resolve_budget(c.budget, profiles, rest) if c.policy == "budget" else None
+    plan = choose_plan(c.policy, names, shard, c.every, profiles, rest, budget)
+    return plan, profiles, rest, budget
+
+
+def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMeter) -> Built:
+    """Meta model -> blocks -> plan -> per block: checkpoint, compile, shard -> root -> real."""
+    model = build_llama_on_meta(cfg.model)
+    names, blocks = find_model_blocks(model, cfg.model.block_pattern)
+    plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv)
+    # Order matters: the checkpoint wrapper sits inside compile, and both inside fully_shard, so
+    # recompute happens while FSDP holds the block unsharded (one all-gather per block).
+    apply_checkpointing(blocks, plan, cfg.checkpointing.save_ops,
+                        meter=None if cfg.train.compile else meter)
+    if cfg.train.compile:
+        for block in blocks:
+            block.compile()
+    mesh = fsdp.build_mesh(cfg.sharding.mode, denv.device.type, denv.world_size, replicate)
     if mesh is not None:
-        fsdp.apply_fsdp(model, blocks, plan, mesh, fsdp.mixed_precision(cfg.param_dtype,
-                        cfg.reduce_dtype), cfg.reshard_after_forward)
-    return model, mesh
+        fsdp.apply_fsdp(model, blocks, plan, mesh, fsdp.mixed_precision(
+            cfg.sharding.param_dtype, cfg.sharding.reduce_dtype),
+            cfg.sharding.reshard_after_forward)
+    materialize(model, denv.device, cfg.train.seed)
+    if mesh is None and denv.world_size > 1:
+        model = fsdp.apply_ddp(model, denv.device)
+    return Built(model, plan, profiles, rest, budget)
 
 
 def find_model_blocks(model: nn.Module, pattern: Optional[str]) -> tuple[list[str], list[nn.Module]]:

@@ -12,9 +12,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
+
+
+# Kept in sync with checkpointing/wrap.py (which needs torch); a test checks they agree.
+DEFAULT_SAVE_OPS = (
+    "mm", "addmm", "bmm", "baddbmm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+)
 
 
 class ConfigError(ValueError):
@@ -79,6 +87,7 @@ class TrainConfig:
     run_name: Optional[str] = None
     out_dir: str = "outputs"
     device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False  # torch.compile each block (after its checkpoint wrapper)
     dist_timeout_s: int = 600
 
 
@@ -93,7 +102,14 @@ class ShardingConfig:
 
 @dataclass
 class CheckpointingConfig:
-    policy: str = "none"
+    policy: str = "none"  # none | full | every_k | sqrt | selective | budget
+    every: int = 2  # every_k: recompute every k-th block
+    # selective: aten ops whose outputs are kept (matmuls, attention); the rest is recomputed.
+    save_ops: List[str] = field(default_factory=lambda: list(DEFAULT_SAVE_OPS))
+    # budget: activation bytes per rank for the whole step (> 1), or a fraction (<= 1) of the
+    # activation bytes without checkpointing.
+    budget: Optional[float] = None
+    profile_repeats: int = 3  # timing repeats per option when profiling a block
 
 
 @dataclass
@@ -134,7 +150,7 @@ CHOICES = {
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),
     "sharding.mode": ("fsdp", "hsdp", "none"),
-    "checkpointing.policy": ("none",),
+    "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget"),
     "offload.target": ("none",),
 }
 
@@ -196,7 +212,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
                 "model.vocab_size", "model.ffn_hidden", "model.max_seq_len", "data.seq_len",
                 "data.max_corpus_bytes", "train.steps", "train.micro_batch_size",
                 "train.grad_accum", "train.eval_every", "train.eval_batches",
-                "train.dist_timeout_s", "logging.every")
+                "train.dist_timeout_s", "logging.every", "checkpointing.every",
+                "checkpointing.profile_repeats")
     for key in positive:
         value = _get(cfg, key)
         _require(value > 0, key, f"must be a positive integer, got {value}")
@@ -214,6 +231,18 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         value = _get(cfg, key)
         _require(value is None or value in DTYPES, key,
                  f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
+
+    c = cfg.checkpointing
+    if c.policy == "budget":
+        _require(c.budget is not None and c.budget > 0, "checkpointing.budget",
+                 "checkpointing=budget needs checkpointing.budget=<bytes per rank, or a fraction "
+                 "<= 1 of the activation memory without checkpointing>")
+    else:
+        _require(c.budget is None, "checkpointing.budget",
+                 f"only applies to checkpointing=budget (now checkpointing={c.policy})")
+    if c.policy == "selective":
+        _require(len(c.save_ops) > 0, "checkpointing.save_ops",
+                 "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")
 
     m = cfg.model
     _require(m.dim % m.n_heads == 0, "model.n_heads",

@@ -14,17 +14,17 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from checkpointing.plan import describe, make_plan, plan_to_json
+from checkpointing.plan import describe, plan_rows, plan_table, plan_to_json
+from checkpointing.policies import added_seconds
+from checkpointing.saved import SavedBytesMeter
 from launch.env import DistEnv, init_distributed, read_env, shutdown
-from sharding.fsdp import apply_ddp, reshard_all, set_grad_sync
-from trainer.build import (build_llama_on_meta, find_model_blocks, llama_args, materialize,
-                           shard_model)
+from sharding.fsdp import reshard_all, set_grad_sync
+from trainer.build import build_model, llama_args
 from trainer.config import Config, Layout
 from trainer.data import build_datasets, train_batch, val_batches
-from trainer.model import flops_per_token
+from trainer.model import flops_per_token, lm_loss
 from trainer.metrics import RunLogger, peak_flops, peak_memory_bytes
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -32,19 +32,16 @@ log = logging.getLogger("trainer")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(inputs)  # [B, T, vocab]
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-
-
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-               micro_batches: Sequence[Batch], grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+               micro_batches: Sequence[Batch], grad_clip: float,
+               meter: SavedBytesMeter) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm)."""
     total_loss = torch.zeros((), device=micro_batches[0][0].device)
     for i, (inputs, targets) in enumerate(micro_batches):
         # Cross-rank reduction is deferred to the last micro-batch where that saves traffic.
         set_grad_sync(model, i == len(micro_batches) - 1)
-        loss = lm_loss(model, inputs, targets) / len(micro_batches)
+        with meter.measure():  # counts what this forward keeps for backward
+            loss = lm_loss(model, inputs, targets) / len(micro_batches)
         loss.backward()
         total_loss += loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
@@ -106,14 +103,9 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
     # Dropout masks differ per rank (as their data does) but repeat run to run.
     torch.manual_seed(t.seed + denv.rank)
 
-    # Build on meta, plan per block, wrap and shard, then materialise (DESIGN.md, step 3-5).
-    model = build_llama_on_meta(cfg.model)
-    block_names, blocks = find_model_blocks(model, cfg.model.block_pattern)
-    plan = make_plan(block_names, cfg.checkpointing.policy, shard=cfg.sharding.mode != "none")
-    model, _mesh = shard_model(model, blocks, plan, cfg.sharding, denv, layout.replicate)
-    materialize(model, device, t.seed)
-    if cfg.sharding.mode == "none" and denv.world_size > 1:
-        model = apply_ddp(model, device)
+    meter = SavedBytesMeter()
+    built = build_model(cfg, denv, layout.replicate, meter)
+    model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
 
@@ -127,6 +119,7 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
     if denv.is_main:
         with open(os.path.join(run_dir, "plan.json"), "w") as f:
             f.write(plan_to_json(plan))
+        logger.plan(plan_table(plan, built.profiles), plan_rows(plan, built.profiles))
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x "
                 f"shard {layout.shard}) on {device.type}; {num_params / 1e6:.2f}M parameters; "
@@ -138,13 +131,18 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
     peak = peak_flops(device)
     tokens_per_step = layout.global_batch_size * cfg.data.seq_len
 
+    recompute_s = None
+    if built.profiles is not None:  # profiled seconds the plan adds, for all micro-batches
+        recompute_s = added_seconds(plan, built.profiles) * layout.grad_accum
+
     logger.record({"step": 0, "val_loss": evaluate(model, val_data)})
     for step in range(1, t.steps + 1):
         started = time.perf_counter()  # the step's time includes reading its batch
         micro_batches = _to(train_batch(train_set, step - 1, t.micro_batch_size, layout.grad_accum,
                                         denv.rank, denv.world_size, t.seed), device)
         lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip)
+        loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches,
+                                     cfg.optim.grad_clip, meter)
         loss_value = mean_over_ranks(loss)  # also waits for the step to finish
         step_time = time.perf_counter() - started
         tokens_per_s = tokens_per_step / step_time
@@ -154,7 +152,11 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
             metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
                        "tokens_per_s": tokens_per_s, "step_time_s": step_time,
                        "tokens_seen": step * tokens_per_step,
-                       "peak_mem_bytes": peak_memory_bytes(device)}
+                       "peak_mem_bytes": peak_memory_bytes(device),
+                       "act_saved_bytes": meter.peak}
+            meter.reset_peak()
+            if recompute_s is not None:
+                metrics["recompute_s"] = recompute_s
             if peak is not None:
                 metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
             logger.record(metrics)

@@ -81,6 +81,12 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
+    def plan(self, table: str, rows: list[dict]) -> None:
+        """The per-block plan: printed once at start and kept in W&B as a table."""
+        self.info("per-block plan:\n" + table)
+        if self.wandb is not None:
+            self.wandb.log_table("plan", rows)
+
     def info(self, message: str) -> None:
         if self.enabled:
             if self._bar is not None:

@@ -281,6 +281,12 @@ def _init_rule(args: LlamaArgs, name: str) -> tuple[tuple[int, ...], float | Non
     raise KeyError(f"no init rule for parameter {name!r}")
 
 
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, computed in fp32 whatever the logits' dtype."""
+    logits = model(inputs)  # [B, T, vocab]
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
 def build_llama(args: LlamaArgs, device: torch.device | str = "meta") -> Llama:
     """Construct a Llama with its parameters allocated on ``device`` (meta: no memory)."""
     with torch.device(device):

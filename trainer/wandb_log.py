@@ -94,6 +94,19 @@ class WandbLogger:
             log.warning("W&B log failed (%s); disabling W&B for this run", exc)
             self.run = None
 
+    def log_table(self, key: str, rows: list[dict]) -> None:
+        if self.run is None or not rows:
+            return
+        try:
+            import wandb
+
+            columns = list(rows[0])
+            self.run.log({key: wandb.Table(columns=columns,
+                                           data=[[r[c] for c in columns] for r in rows])},
+                         step=0)
+        except Exception as exc:
+            log.warning("W&B table %s failed (%s)", key, exc)
+
     def finish(self, timeout_s: float = 60.0) -> None:
         if self.run is None:
             return

@@ -1,0 +1,144 @@
+"""Profiling blocks for the planner: saved bytes and added time of each recompute option.
+
+The block inputs come from one forward of the whole model on the meta device (no memory), so the
+profile uses the real batch and sequence shapes whatever the model. Each *distinct* block (same
+class, parameter shapes and input shapes) is then materialised once on the compute device and
+run forward and backward under each option.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from checkpointing.saved import SavedBytesMeter
+from checkpointing.wrap import checkpoint_block
+
+OPTIONS = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    saved_bytes: dict[str, int]  # per option: bytes kept from forward to backward
+    cost_s: dict[str, float]  # per option: seconds added to forward+backward (recompute)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes alive while the block's backward runs: all its internals, whatever the option."""
+        return self.saved_bytes["none"]
+
+
+@dataclass
+class ModelTrace:
+    block_args: list[tuple[tuple, dict]]  # meta tensors each block received
+    rest_saved_bytes: int  # what the model keeps outside its blocks (embeddings, head, loss)
+
+
+def trace_on_meta(model: nn.Module, blocks: Sequence[nn.Module],
+                  run_forward: Callable[[nn.Module], torch.Tensor]) -> ModelTrace:
+    """One forward on the meta device: each block's inputs, and the bytes kept outside blocks."""
+    meter = SavedBytesMeter()
+    captured: list[Any] = [None] * len(blocks)
+    depth = [0]
+
+    def enter(index):
+        def hook(module, args, kwargs):
+            captured[index] = (args, kwargs)
+            depth[0] += 1
+            meter.active = False  # saved inside a block: the block's own profile counts it
+        return hook
+
+    def leave(module, args, kwargs, output):
+        depth[0] -= 1
+        meter.active = depth[0] == 0
+
+    handles = []
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(enter(i), with_kwargs=True))
+        handles.append(block.register_forward_hook(leave, with_kwargs=True))
+    try:
+        with meter.measure():
+            run_forward(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return ModelTrace(block_args=captured, rest_saved_bytes=meter.bytes)
+
+
+def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    def describe(x):
+        return (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
+    return (type(block).__qualname__, params, str(tree_map(describe, (args, kwargs))))
+
+
+def _real_like(x, device: torch.device, generator: torch.Generator):
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.is_floating_point():
+        real = torch.randn(x.shape, dtype=x.dtype, device=device, generator=generator)
+        return real.requires_grad_(x.requires_grad)
+    return torch.zeros(x.shape, dtype=x.dtype, device=device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device,
+                  save_ops: Sequence, repeats: int) -> BlockProfile:
+    """Saved bytes and added seconds for each option, for one block at its real input shapes."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    real = copy.deepcopy(block).to_empty(device=device)
+    with torch.no_grad():
+        for p in real.parameters():
+            p.normal_(0.0, 0.02, generator=generator)
+    real_args, real_kwargs = tree_map(lambda x: _real_like(x, device, generator), (args, kwargs))
+    candidates = {option: _wrapped_copy(real, option, save_ops) for option in OPTIONS}
+    saved = {}
+    seconds = {option: float("inf") for option in OPTIONS}
+    # Options take turns, after one untimed round: allocator and thread-pool warm-up would
+    # otherwise be charged to whichever option ran first.
+    for attempt in range(repeats + 1):
+        for option, candidate in candidates.items():
+            _sync(device)
+            started = time.perf_counter()
+            with candidate._profile_meter.measure() as meter:
+                out = candidate(*real_args, **real_kwargs)
+            out.float().square().mean().backward()
+            _sync(device)
+            saved[option] = meter.bytes
+            if attempt > 0:
+                seconds[option] = min(seconds[option], time.perf_counter() - started)
+    base = seconds["none"]
+    return BlockProfile(saved_bytes=saved,
+                        cost_s={o: max(0.0, seconds[o] - base) for o in OPTIONS})
+
+
+def _wrapped_copy(real: nn.Module, option: str, save_ops: Sequence) -> nn.Module:
+    # A shallow copy shares the parameters but gets its own forward to wrap.
+    candidate = copy.copy(real)
+    meter = SavedBytesMeter()
+    checkpoint_block(candidate, option, save_ops, meter)
+    candidate._profile_meter = meter
+    return candidate
+
+
+def profile_blocks(blocks: Sequence[nn.Module], trace: ModelTrace, device: torch.device,
+                   save_ops: Sequence, repeats: int) -> list[BlockProfile]:
+    """A profile per block; identical blocks share one measurement."""
+    cache: dict[tuple, BlockProfile] = {}
+    profiles = []
+    for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
+        key = _signature(block, args, kwargs)
+        if key not in cache:
+            cache[key] = profile_block(block, args, kwargs, device, save_ops, repeats)
+        profiles.append(cache[key])
+    return profiles

@@ -1,0 +1,62 @@
+"""Counting what a step keeps for backward, per storage.
+
+Two routes lead to a tensor being kept: autograd's saved tensors (seen by saved-tensor hooks,
+including the inputs a checkpointed block keeps), and the op outputs that selective
+checkpointing caches itself (its contexts bypass the hooks, so its wrapper reports them through
+`add`). Parameters and views of parameters (FSDP's unsharded parameters too, which autograd saves
+for the weight gradient) are not activations and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def is_parameter_like(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+class SavedBytesMeter:
+    """Bytes of distinct storages kept for backward during `with meter.measure():`.
+
+    A storage saved by several ops or through several views counts once, as it costs once.
+    `peak` is the largest total of any measured forward since `reset_peak()`.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.peak = 0
+        self.active = False
+        self._seen: dict[int, torch.UntypedStorage] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        if not self.active or not isinstance(tensor, torch.Tensor) or is_parameter_like(tensor):
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # the StorageImpl: shared by every view, also on the meta device
+        if key not in self._seen:
+            # Holding the storage keeps its address from being reused while we count.
+            self._seen[key] = storage
+            self.bytes += storage.nbytes()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.add(tensor)
+        return tensor
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator["SavedBytesMeter"]:
+        self.bytes, self.active = 0, True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+        finally:
+            self.active = False
+            self._seen.clear()
+            self.peak = max(self.peak, self.bytes)
+
+    def reset_peak(self) -> None:
+        self.peak = 0

@@ -1,0 +1,100 @@
+"""Carrying out the recompute part of the plan: activation checkpointing per block.
+
+The block's own `forward` is replaced by a checkpointed call of the original, on that instance
+only. The module tree and parameter names stay as the user wrote them, and every hook that
+`fully_shard` (applied later) puts around the block's `__call__` stays *outside* the checkpoint:
+recompute in backward runs inside FSDP's unshard window and never all-gathers a second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from checkpointing.plan import BlockPlan
+from checkpointing.saved import SavedBytesMeter
+
+# Ops whose outputs selective checkpointing keeps by default: matmuls and attention, the work
+# that is expensive to redo. Everything else (norms, activations, rotary, dropout) is recomputed.
+# The list lives in trainer/config.py, which must stay importable without torch.
+from trainer.config import DEFAULT_SAVE_OPS  # noqa: E402
+
+
+def resolve_ops(names: Sequence[str]) -> list:
+    """aten op names -> op overloads; a name not in aten is the user's mistake."""
+    ops = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None or not hasattr(packet, "overloads"):
+            raise ValueError(f"checkpointing.save_ops: {name!r} is not an aten op "
+                             "(e.g. mm, addmm, bmm, _scaled_dot_product_flash_attention)")
+        ops.extend(getattr(packet, overload) for overload in packet.overloads())
+    return ops
+
+
+def _checkpointed_forward(original: Callable, context_fn: Callable | None, *args, **kwargs):
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    # Non-reentrant: composes with FSDP2 hooks and keyword args; RNG state is stashed and
+    # restored, so dropout masks in the recompute equal those of the forward.
+    return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra,
+                      **kwargs)
+
+
+class _ReportSaved(TorchDispatchMode):
+    """Reports the outputs of the ops selective checkpointing keeps to a SavedBytesMeter."""
+
+    def __init__(self, save_ops: frozenset, meter: SavedBytesMeter):
+        super().__init__()
+        self.save_ops, self.meter = save_ops, meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.save_ops:
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                self.meter.add(tensor)
+        return out
+
+
+def _selective_contexts(save_ops: list, meter: Optional[SavedBytesMeter]):
+    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(save_ops)
+    if meter is None or not meter.active:
+        return forward_ctx, recompute_ctx
+    stack = contextlib.ExitStack()
+    stack.enter_context(forward_ctx)
+    stack.enter_context(_ReportSaved(frozenset(save_ops), meter))
+    return stack, recompute_ctx
+
+
+def checkpoint_block(block: nn.Module, recompute: str, save_ops: Sequence = (),
+                     meter: Optional[SavedBytesMeter] = None) -> None:
+    """Make `block` recompute in backward: "full" (keep only its inputs) or "selective".
+
+    meter: where selective checkpointing reports what it keeps, when that is being measured.
+    """
+    if recompute == "none":
+        return
+    if getattr(block, "_blocktrain_recompute", None) is not None:
+        raise RuntimeError(f"block already checkpointed ({block._blocktrain_recompute})")
+    context_fn = None
+    if recompute == "selective":
+        context_fn = functools.partial(_selective_contexts, list(save_ops), meter)
+    elif recompute != "full":
+        raise ValueError(f"unknown recompute option {recompute!r}")
+    original = block.forward
+    block.forward = functools.partial(_checkpointed_forward, original, context_fn)
+    block._blocktrain_recompute = recompute
+
+
+def apply_checkpointing(blocks: Sequence[nn.Module], plan: Sequence[BlockPlan],
+                        save_op_names: Sequence[str],
+                        meter: Optional[SavedBytesMeter] = None) -> None:
+    save_ops = resolve_ops(save_op_names) if any(p.recompute == "selective" for p in plan) else []
+    for block, block_plan in zip(blocks, plan, strict=True):
+        checkpoint_block(block, block_plan.recompute, save_ops, meter)
