@@ -117,9 +117,7 @@ def plan_budget(blocks: Sequence[BlockOptions], budget_bytes: int, *,
     frontier passes max_states rather than running for hours.
     """
     _validate(blocks)
-    if budget_bytes < 0:
-        raise ValueError(f"checkpointing.budget={budget_bytes} bytes must be >= 0")
-    least = min_feasible_budget(blocks)
+    least = min_feasible_budget(blocks)  # >= 0, so a negative budget is infeasible like any other
     if budget_bytes < least:
         raise InfeasibleBudget(budget_bytes, least)
     costs = _exact_costs(blocks)

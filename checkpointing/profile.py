@@ -136,9 +136,11 @@ def profile_blocks(blocks: Sequence[nn.Module], trace: ModelTrace, device: torch
     """A profile per block; identical blocks share one measurement."""
     cache: dict[tuple, BlockProfile] = {}
     profiles = []
-    for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
-        key = _signature(block, args, kwargs)
-        if key not in cache:
-            cache[key] = profile_block(block, args, kwargs, device, save_ops, repeats)
-        profiles.append(cache[key])
+    # Profiling runs dropout; the training run's random stream must not notice it happened.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
+            key = _signature(block, args, kwargs)
+            if key not in cache:
+                cache[key] = profile_block(block, args, kwargs, device, save_ops, repeats)
+            profiles.append(cache[key])
     return profiles

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 
@@ -33,8 +34,12 @@ def _random_block(rng: random.Random, index: int) -> BlockOptions:
     return BlockOptions(f"block{index}", tuple(options), peak)
 
 
-def _random_chain(rng: random.Random) -> list[BlockOptions]:
-    return [_random_block(rng, i) for i in range(rng.randint(1, 8))]
+def _random_chain(rng: random.Random, max_plans: int = 6000) -> list[BlockOptions]:
+    """1 to 8 blocks, redrawn until brute force has at most max_plans plans (keeps tests fast)."""
+    while True:
+        blocks = [_random_block(rng, i) for i in range(rng.randint(1, 8))]
+        if math.prod(len(b.options) for b in blocks) <= max_plans:
+            return blocks
 
 
 def _all_keep_peak(blocks: list[BlockOptions]) -> int:
@@ -196,3 +201,5 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="no option 3"):
         activation_peak([BlockOptions("b", (Option("x", 1, 0.0),), 1)], [3])
     assert plan_budget([], 0) == []
+    with pytest.raises(InfeasibleBudget):  # e.g. a budget smaller than what lies outside blocks
+        plan_budget([], -1)
