@@ -45,7 +45,7 @@ def choose_plan(policy: str, block_names: Sequence[str], shard: bool, every: int
     except InfeasibleBudget as exc:
         smallest = rest_bytes + exc.min_feasible_bytes
         raise BudgetError(
-            f"checkpointing.budget={budget.bytes} bytes ({budget.bytes / 2**30:.3f} GiB) cannot "
+            f"{budget.bytes} bytes ({budget.bytes / 2**30:.3f} GiB) cannot "
             f"be met: the smallest feasible budget is {smallest} bytes "
             f"({smallest / 2**30:.3f} GiB; {rest_bytes} of it outside the blocks); without "
             f"checkpointing the step keeps {budget.no_checkpoint_bytes} bytes") from exc

@@ -30,9 +30,14 @@ def _run(cfg: DictConfig) -> None:
         cli.report(exc)
         cli.exit_after_error()
 
+    from checkpointing.policies import BudgetError
     from trainer.loop import train
 
-    train(config, layout, run_dir=HydraConfig.get().runtime.output_dir)
+    try:
+        train(config, layout, run_dir=HydraConfig.get().runtime.output_dir)
+    except BudgetError as exc:  # known only after profiling the blocks on the device
+        cli.report(ConfigError("checkpointing.budget", str(exc)))
+        cli.exit_after_error()
 
 
 def main() -> None:

@@ -1,0 +1,71 @@
+"""Checkpoint policies through the trainer CLI: same losses, measured bytes, the budget honoured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import QUICK, check_ok, losses, read_metrics, run_trainer
+
+COMMON = QUICK + ["train.steps=4", "model.dropout=0.1", "checkpointing.profile_repeats=1"]
+POLICIES = ["none", "full", "every_k", "sqrt", "selective", "budget"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Each policy once with 2 ranks (FSDP) and once with 1, four steps, dropout on."""
+    out = {}
+    for policy in POLICIES:
+        for nproc in (1, 2):
+            run_dir = tmp_path_factory.mktemp(f"{policy}{nproc}") / "run"
+            micro = 4 // nproc
+            result = run_trainer(COMMON + [f"checkpointing={policy}", f"hydra.run.dir={run_dir}",
+                                           f"train.micro_batch_size={micro}"],
+                                 cwd=run_dir.parent, nproc=nproc)
+            check_ok(result)
+            out[policy, nproc] = run_dir
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_losses_identical_for_every_policy(runs, nproc) -> None:
+    reference = losses(runs["none", nproc])
+    assert len(reference) == 4
+    for policy in POLICIES[1:]:
+        assert losses(runs[policy, nproc]) == reference, policy  # bitwise: exact floats
+
+
+@pytest.mark.slow
+def test_measured_activation_bytes_follow_the_plan(runs) -> None:
+    saved = {p: read_metrics(runs[p, 1])[1]["act_saved_bytes"] for p in POLICIES}
+    assert saved["none"] > saved["selective"] > saved["full"] > 0
+    assert saved["none"] > saved["every_k"] > saved["full"]
+    plan = json.loads((runs["budget", 2] / "plan.json").read_text())
+    assert len(plan) == 4 and {p["recompute"] for p in plan} <= {"none", "selective", "full"}
+    # The default budget (half of the no-checkpoint bytes) is honoured by the measurement.
+    assert saved["budget"] <= 0.5 * saved["none"]
+    logged = [m for m in read_metrics(runs["full", 1]) if "loss" in m]
+    assert all(m["recompute_s"] > 0 for m in logged)
+
+
+@pytest.mark.slow
+def test_byte_budget_is_never_exceeded(tmp_path) -> None:
+    budget = 6_000_000  # between the smallest feasible (~5.0e6) and no checkpointing (~1.6e7)
+    run_dir = tmp_path / "run"
+    check_ok(run_trainer(COMMON + ["checkpointing=budget", f"checkpointing.budget={budget}",
+                                   f"hydra.run.dir={run_dir}"], cwd=tmp_path))
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert logged and all(0 < m["act_saved_bytes"] <= budget for m in logged)
+
+
+@pytest.mark.slow
+def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path) -> None:
+    result = run_trainer(COMMON + ["checkpointing=budget", "checkpointing.budget=1000",
+                                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert lines[0].startswith("error: checkpointing.budget: 1000 bytes")
+    assert "smallest feasible budget is" in lines[0]
