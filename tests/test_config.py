@@ -54,10 +54,11 @@ def test_config_keys_are_frozen() -> None:
         "optim.beta1", "optim.beta2", "optim.eps", "optim.grad_clip",
         "train.steps", "train.seed", "train.micro_batch_size", "train.grad_accum",
         "train.global_batch_size", "train.eval_every", "train.eval_batches", "train.run_name",
-        "train.out_dir", "train.device", "train.dist_timeout_s",
+        "train.out_dir", "train.device", "train.compile", "train.dist_timeout_s",
         "sharding.mode", "sharding.replicate", "sharding.reshard_after_forward",
         "sharding.param_dtype", "sharding.reduce_dtype",
-        "checkpointing.policy", "offload.target",
+        "checkpointing.policy", "checkpointing.every", "checkpointing.save_ops",
+        "checkpointing.budget", "checkpointing.profile_repeats", "offload.target",
         "logging.every", "logging.progress", "logging.wandb", "logging.wandb_project",
         "logging.wandb_entity", "logging.wandb_init_timeout_s",
     }
@@ -97,6 +98,10 @@ BAD_INPUTS = [
      "data.train_path", 1),
     (["model.dropout=1.5"], "model.dropout", 1),
     (["train.device=tpu"], "train.device", 1),
+    (["checkpointing=budget", "checkpointing.budget=-1"], "checkpointing.budget", 1),
+    (["checkpointing=full", "checkpointing.budget=0.5"], "checkpointing.budget", 1),
+    (["checkpointing=every_k", "checkpointing.every=0"], "checkpointing.every", 1),
+    (["checkpointing=lazy"], "checkpointing=lazy", 1),
 ]
 
 

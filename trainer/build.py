@@ -107,6 +107,7 @@ class Built:
     profiles: Optional[list[BlockProfile]]  # when some block recomputes
     rest_saved_bytes: int  # activations kept outside the blocks (from the meta trace)
     budget: Optional[Budget]
+    compiled_blocks: int = 0  # blocks whose __call__ torch.compile replaced
 
 
 def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Sequence[nn.Module],
@@ -144,7 +145,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
                         meter=None if cfg.train.compile else meter)
     if cfg.train.compile:
         for block in blocks:
-            block.compile()
+            block.compile()  # compiles this instance's __call__: its checkpointed forward too
     mesh = fsdp.build_mesh(cfg.sharding.mode, denv.device.type, denv.world_size, replicate)
     if mesh is not None:
         fsdp.apply_fsdp(model, blocks, plan, mesh, fsdp.mixed_precision(
@@ -153,7 +154,8 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     materialize(model, denv.device, cfg.train.seed)
     if mesh is None and denv.world_size > 1:
         model = fsdp.apply_ddp(model, denv.device)
-    return Built(model, plan, profiles, rest, budget)
+    compiled = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    return Built(model, plan, profiles, rest, budget, compiled)
 
 
 def find_model_blocks(model: nn.Module, pattern: Optional[str]) -> tuple[list[str], list[nn.Module]]:

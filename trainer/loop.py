@@ -126,6 +126,9 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
                 f"plan: {describe(plan)}; global batch {layout.global_batch_size} x "
                 f"{cfg.data.seq_len} tokens (micro {t.micro_batch_size} x accum "
                 f"{layout.grad_accum} x ranks {denv.world_size}); run dir {run_dir}")
+    if t.compile:
+        logger.info(f"torch.compile: compiled {built.compiled_blocks} blocks (each after its "
+                    "checkpoint wrapper, before sharding)")
 
     flops = flops_per_token(llama_args(cfg.model), cfg.data.seq_len)
     peak = peak_flops(device)
