@@ -182,3 +182,71 @@ def test_recompute_does_not_all_gather_again_two_ranks() -> None:
     for counted in spawn(_all_gather_bytes, 2):
         assert counted["none"] > 0
         assert counted["full"] == counted["none"] and counted["selective"] == counted["none"]
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class _Uneven(torch.nn.Module):
+    """Blocks of one class but different sizes: each needs its own profile."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Layer(32, h) for h in (64, 256, 64, 512, 128))
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).mean()
+
+
+def test_budget_plan_for_heterogeneous_blocks_is_exact_and_bitwise() -> None:
+    from checkpointing.blocks import find_blocks
+    from checkpointing.policies import choose_plan, predicted_saved_bytes, resolve_budget
+    from checkpointing.profile import profile_blocks, trace_on_meta
+    from checkpointing.wrap import apply_checkpointing, resolve_ops
+    from trainer.build import materialize
+
+    def build() -> tuple[torch.nn.Module, list]:
+        with torch.device("meta"):
+            model = _Uneven()
+        return model, [m for _, m in find_blocks(model)]
+
+    model, blocks = build()
+    names = [f"blocks.{i}" for i in range(5)]
+    x_meta = torch.empty(8, 16, 32, device="meta")
+    trace = trace_on_meta(model, blocks, lambda m: m(x_meta))
+    profiles = profile_blocks(blocks, trace, torch.device("cpu"), resolve_ops(["addmm", "mm"]), 1)
+    keep = [p.saved_bytes["none"] for p in profiles]
+    assert len(set(keep)) == 4  # four distinct block sizes, each measured
+    budget = resolve_budget(0.5, profiles, trace.rest_saved_bytes)
+    plan = choose_plan("budget", names, shard=False, profiles=profiles,
+                       rest_bytes=trace.rest_saved_bytes, budget=budget)
+    assert predicted_saved_bytes(plan, profiles, trace.rest_saved_bytes) <= budget.bytes
+    assert {p.recompute for p in plan} != {"none"}
+
+    x = torch.randn(8, 16, 32)
+    results = []
+    for use_plan in (False, True):
+        model, blocks = build()
+        if use_plan:
+            apply_checkpointing(blocks, plan, ["addmm", "mm"], meter=None)
+        materialize(model, torch.device("cpu"), seed=1)
+        torch.manual_seed(3)
+        meter = SavedBytesMeter()
+        with meter.measure():
+            loss = model(x)
+        loss.backward()
+        results.append(({n: p.grad for n, p in model.named_parameters()}, meter.bytes))
+    (ref, ref_bytes), (got, got_bytes) = results
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
+    assert got_bytes <= budget.bytes < ref_bytes
