@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal, Optional, Sequence
 
 Recompute = Literal["none", "full", "selective"]
@@ -63,6 +63,17 @@ def make_plan(block_names: Sequence[str], recompute: Sequence[Recompute],
     """One BlockPlan per block. shard: whether blocks are fully_shard-ed (False: sharding=none)."""
     return [BlockPlan(index=i, name=name, recompute=r, shard=shard)
             for i, (name, r) in enumerate(zip(block_names, recompute, strict=True))]
+
+
+def with_offload(plan: Sequence[BlockPlan], target: str, keep_last: int) -> list[BlockPlan]:
+    """`offload=cpu|disk` for fixed policies: every block but the last `keep_last` moves what it
+    keeps for backward: its checkpoint inputs when it recomputes, everything when it keeps all.
+    The last blocks run backward first, so moving them out would only make backward wait."""
+    if target == "none":
+        return list(plan)
+    cut = len(plan) - keep_last
+    return [replace(p, offload=("inputs" if p.recompute != "none" else "all"), target=target)
+            if p.index < cut else p for p in plan]
 
 
 def plan_to_json(plan: Sequence[BlockPlan]) -> str:

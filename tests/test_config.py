@@ -56,9 +56,11 @@ def test_config_keys_are_frozen() -> None:
         "train.global_batch_size", "train.eval_every", "train.eval_batches", "train.run_name",
         "train.out_dir", "train.device", "train.compile", "train.dist_timeout_s",
         "sharding.mode", "sharding.replicate", "sharding.reshard_after_forward",
-        "sharding.param_dtype", "sharding.reduce_dtype",
+        "sharding.param_dtype", "sharding.reduce_dtype", "sharding.cpu_offload",
         "checkpointing.policy", "checkpointing.every", "checkpointing.save_ops",
-        "checkpointing.budget", "checkpointing.profile_repeats", "offload.target",
+        "checkpointing.budget", "checkpointing.profile_repeats",
+        "offload.target", "offload.min_bytes", "offload.keep_last", "offload.max_host_bytes",
+        "offload.dir", "offload.max_inflight_bytes",
         "logging.every", "logging.progress", "logging.wandb", "logging.wandb_project",
         "logging.wandb_entity", "logging.wandb_init_timeout_s",
     }
@@ -102,6 +104,10 @@ BAD_INPUTS = [
     (["checkpointing=full", "checkpointing.budget=0.5"], "checkpointing.budget", 1),
     (["checkpointing=every_k", "checkpointing.every=0"], "checkpointing.every", 1),
     (["checkpointing=lazy"], "checkpointing=lazy", 1),
+    (["offload=disk", "offload.dir=/proc/blocktrain"], "offload.dir", 1),
+    (["offload=cpu", "offload.max_host_bytes=0"], "offload.max_host_bytes", 1),
+    (["offload=tape"], "offload=tape", 1),
+    (["sharding=none", "sharding.cpu_offload=true"], "sharding.cpu_offload", 1),
 ]
 
 

@@ -98,6 +98,8 @@ class ShardingConfig:
     reshard_after_forward: bool = True
     param_dtype: Optional[str] = None  # null keeps fp32 compute; bfloat16 | float16 | float32
     reduce_dtype: Optional[str] = None
+    # Parameters, gradients and optimizer state live in CPU memory (FSDP2 CPUOffloadPolicy).
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -114,7 +116,12 @@ class CheckpointingConfig:
 
 @dataclass
 class OffloadConfig:
-    target: str = "none"
+    target: str = "none"  # none | cpu | disk
+    min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
+    keep_last: int = 1  # the last blocks run backward first: keep theirs on the device
+    max_host_bytes: int = 8 << 30  # cpu on CUDA: bound of the reused pinned host pool
+    dir: Optional[str] = None  # disk: folder for the files; null = <run dir>/offload
+    max_inflight_bytes: int = 1 << 30  # disk: bytes waiting to be written before forward waits
 
 
 @dataclass
@@ -151,7 +158,7 @@ CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "sharding.mode": ("fsdp", "hsdp", "none"),
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget"),
-    "offload.target": ("none",),
+    "offload.target": ("none", "cpu", "disk"),
 }
 
 
@@ -203,6 +210,18 @@ def _check_token_files(data: DataConfig, vocab_size: int) -> None:
                  f"{data.seq_len + 1}; lower data.seq_len or add data")
 
 
+def _check_writable(path: str, key: str) -> None:
+    """The nearest existing folder on the way to `path` must be writable, so the run can create it."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    _require(os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK), key,
+             f"{path} is not writable (checked {probe}); choose a writable folder")
+
+
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     """Checks every value a type cannot, against the world this run will have."""
     for key, allowed in CHOICES.items():
@@ -243,6 +262,17 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     if c.policy == "selective":
         _require(len(c.save_ops) > 0, "checkpointing.save_ops",
                  "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")
+
+    o = cfg.offload
+    for key in ("offload.min_bytes", "offload.keep_last"):
+        _require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
+    for key in ("offload.max_host_bytes", "offload.max_inflight_bytes"):
+        _require(_get(cfg, key) > 0, key, f"must be a positive number of bytes, got {_get(cfg, key)}")
+    if o.target == "disk":
+        _check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
+    if cfg.sharding.cpu_offload:
+        _require(cfg.sharding.mode != "none", "sharding.cpu_offload",
+                 "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")
 
     m = cfg.model
     _require(m.dim % m.n_heads == 0, "model.n_heads",
