@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -218,8 +219,15 @@ def _check_writable(path: str, key: str) -> None:
         if parent == probe:
             break
         probe = parent
-    _require(os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK), key,
-             f"{path} is not writable (checked {probe}); choose a writable folder")
+    writable = os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
+    if writable:  # access() says yes to root even on read-only file systems: really try
+        try:
+            fd, name = tempfile.mkstemp(prefix=".blocktrain-probe-", dir=probe)
+            os.close(fd)
+            os.unlink(name)
+        except OSError:
+            writable = False
+    _require(writable, key, f"{path} is not writable (checked {probe}); choose a writable folder")
 
 
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
