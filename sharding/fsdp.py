@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
 
 from checkpointing.plan import BlockPlan
 
@@ -37,15 +38,22 @@ def mixed_precision(param_dtype: Optional[str], reduce_dtype: Optional[str]) -> 
 
 def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], plan: Sequence[BlockPlan],
                mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
-               reshard_after_forward: bool) -> None:
-    """fully_shard each block the plan shards, then the root (embeddings, head, the rest)."""
+               reshard_after_forward: bool, cpu_offload: bool = False) -> None:
+    """fully_shard each block the plan shards, then the root (embeddings, head, the rest).
+
+    cpu_offload: sharded parameters, their gradients and so the optimizer state live in (pinned)
+    CPU memory; FSDP2 copies a block's shard to the device for its all-gather and its gradient
+    back after the reduce-scatter, and the optimizer steps on the CPU.
+    """
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for block, block_plan in zip(blocks, plan, strict=True):
         if block_plan.shard:
             fully_shard(block, mesh=mesh, mp_policy=mp_policy,
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, offload_policy=offload)
     # The root's parameters are needed again right at the start of backward, so FSDP2 keeps them
     # unsharded after forward regardless of this flag.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                offload_policy=offload)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:

@@ -7,6 +7,7 @@ Nothing here is specific to Llama: the model contributes `init_param(name, full,
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -26,6 +27,8 @@ from launch.env import DistEnv
 from sharding import fsdp
 from trainer.config import Config, ModelConfig
 from trainer.model import LlamaArgs, build_llama, lm_loss
+
+log = logging.getLogger("trainer")
 
 
 def llama_args(cfg: ModelConfig) -> LlamaArgs:
@@ -146,12 +149,17 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     if cfg.train.compile:
         for block in blocks:
             block.compile()  # compiles this instance's __call__: its checkpointed forward too
+    cpu_offload = cfg.sharding.cpu_offload and denv.device.type != "cpu"
+    if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
+        log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "
+                    "gradients and optimizer state already live in CPU memory; nothing to move")
     mesh = fsdp.build_mesh(cfg.sharding.mode, denv.device.type, denv.world_size, replicate)
     if mesh is not None:
         fsdp.apply_fsdp(model, blocks, plan, mesh, fsdp.mixed_precision(
             cfg.sharding.param_dtype, cfg.sharding.reduce_dtype),
-            cfg.sharding.reshard_after_forward)
-    materialize(model, denv.device, cfg.train.seed)
+            cfg.sharding.reshard_after_forward, cpu_offload)
+    # With FSDP2 CPU offload the sharded parameters are born in CPU memory.
+    materialize(model, torch.device("cpu") if cpu_offload else denv.device, cfg.train.seed)
     if mesh is None and denv.world_size > 1:
         model = fsdp.apply_ddp(model, denv.device)
     compiled = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
