@@ -22,3 +22,20 @@ def test_cuda_training_reports_mfu(tmp_path) -> None:
     assert all(0 < m["peak_mem_bytes"] < 2**30 for m in logged)
     if any(k in torch.cuda.get_device_name() for k in ("H100", "H200", "A100")):
         assert all(0 < m["mfu"] < 1 for m in logged)
+
+
+@pytest.mark.cuda
+def test_fsdp_cpu_offload_matches_device_resident(tmp_path) -> None:
+    """sharding.cpu_offload keeps shards, grads and optimizer state in CPU memory; same maths."""
+    import torch
+
+    from tests.helpers import losses
+
+    nproc = min(2, torch.cuda.device_count())
+    runs = {}
+    for name, extra in (("resident", []), ("offloaded", ["sharding.cpu_offload=true"])):
+        run_dir = tmp_path / name
+        check_ok(run_trainer(QUICK + ["train.steps=4", f"hydra.run.dir={run_dir}", *extra],
+                             cwd=tmp_path, nproc=nproc))
+        runs[name] = losses(run_dir)
+    assert runs["offloaded"] == pytest.approx(runs["resident"], rel=1e-5)
