@@ -18,12 +18,14 @@ from torch.distributed.tensor import DTensor, Shard
 import torch.distributed as dist
 
 from checkpointing.blocks import canonical_name, find_blocks
-from checkpointing.plan import BlockPlan
+from checkpointing.plan import BlockPlan, with_offload
 from checkpointing.policies import Budget, choose_plan, resolve_budget
 from checkpointing.profile import BlockProfile, profile_blocks, trace_on_meta
 from checkpointing.saved import SavedBytesMeter
 from checkpointing.wrap import apply_checkpointing, resolve_ops
 from launch.env import DistEnv
+from offload.apply import apply_offload, build_offloader, offload_dir
+from offload.engine import Offloader
 from sharding import fsdp
 from trainer.config import Config, ModelConfig
 from trainer.model import LlamaArgs, build_llama, lm_loss
@@ -111,6 +113,7 @@ class Built:
     rest_saved_bytes: int  # activations kept outside the blocks (from the meta trace)
     budget: Optional[Budget]
     compiled_blocks: int = 0  # blocks whose __call__ torch.compile replaced
+    offloader: Optional[Offloader] = None
 
 
 def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Sequence[nn.Module],
@@ -137,15 +140,24 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
     return plan, profiles, rest, budget
 
 
-def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMeter) -> Built:
-    """Meta model -> blocks -> plan -> per block: checkpoint, compile, shard -> root -> real."""
+def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMeter,
+                run_dir: Optional[str] = None) -> Built:
+    """Meta model -> blocks -> plan -> per block: checkpoint, offload hooks, compile, shard ->
+    root -> real."""
     model = build_llama_on_meta(cfg.model)
     names, blocks = find_model_blocks(model, cfg.model.block_pattern)
     plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv)
-    # Order matters: the checkpoint wrapper sits inside compile, and both inside fully_shard, so
-    # recompute happens while FSDP holds the block unsharded (one all-gather per block).
+    o = cfg.offload
+    plan = with_offload(plan, o.target, o.keep_last)
+    # Order matters: the checkpoint wrapper sits inside the offload hooks (which then see what
+    # the block keeps: its inputs if it recomputes), both inside compile, and all of it inside
+    # fully_shard, so recompute happens while FSDP holds the block unsharded (one all-gather).
     apply_checkpointing(blocks, plan, cfg.checkpointing.save_ops,
                         meter=None if cfg.train.compile else meter)
+    offloader = build_offloader(o.target, denv.device, o.min_bytes, o.max_host_bytes,
+                                offload_dir(o.dir, run_dir or cfg.train.out_dir, denv.rank),
+                                o.max_inflight_bytes, denv.is_main)
+    apply_offload(blocks, plan, offloader, meter)
     if cfg.train.compile:
         for block in blocks:
             block.compile()  # compiles this instance's __call__: its checkpointed forward too
@@ -163,7 +175,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     if mesh is None and denv.world_size > 1:
         model = fsdp.apply_ddp(model, denv.device)
     compiled = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
-    return Built(model, plan, profiles, rest, budget, compiled)
+    return Built(model, plan, profiles, rest, budget, compiled, offloader)
 
 
 def find_model_blocks(model: nn.Module, pattern: Optional[str]) -> tuple[list[str], list[nn.Module]]:

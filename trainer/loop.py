@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,9 +19,11 @@ from torch import nn
 from checkpointing.plan import describe, plan_rows, plan_table, plan_to_json
 from checkpointing.policies import added_seconds
 from checkpointing.saved import SavedBytesMeter
+from offload.apply import close_offloader, offload_micro_batch
+from offload.engine import Offloader
 from launch.env import DistEnv, init_distributed, read_env, shutdown
 from sharding.fsdp import reshard_all, set_grad_sync
-from trainer.build import build_model, llama_args
+from trainer.build import Built, build_model, llama_args
 from trainer.config import Config, Layout
 from trainer.data import build_datasets, train_batch, val_batches
 from trainer.model import flops_per_token, lm_loss
@@ -33,16 +35,17 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-               micro_batches: Sequence[Batch], grad_clip: float,
-               meter: SavedBytesMeter) -> tuple[torch.Tensor, torch.Tensor]:
+               micro_batches: Sequence[Batch], grad_clip: float, meter: SavedBytesMeter,
+               offloader: Optional[Offloader]) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm)."""
     total_loss = torch.zeros((), device=micro_batches[0][0].device)
     for i, (inputs, targets) in enumerate(micro_batches):
         # Cross-rank reduction is deferred to the last micro-batch where that saves traffic.
         set_grad_sync(model, i == len(micro_batches) - 1)
-        with meter.measure():  # counts what this forward keeps for backward
-            loss = lm_loss(model, inputs, targets) / len(micro_batches)
-        loss.backward()
+        with offload_micro_batch(offloader):  # planned blocks' activations leave the device
+            with meter.measure():  # counts what this forward keeps on the device for backward
+                loss = lm_loss(model, inputs, targets) / len(micro_batches)
+            loss.backward()
         total_loss += loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
     optimizer.step()
@@ -104,7 +107,17 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
     torch.manual_seed(t.seed + denv.rank)
 
     meter = SavedBytesMeter()
-    built = build_model(cfg, denv, layout.replicate, meter)
+    built = build_model(cfg, denv, layout.replicate, meter, run_dir)
+    try:
+        _run(cfg, layout, run_dir, denv, built, meter)
+    finally:
+        # Joins its threads; no file outlives the run, also when it failed.
+        close_offloader(built.offloader, own_parent=cfg.offload.dir is None)
+
+
+def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
+         meter: SavedBytesMeter) -> None:
+    t, device = cfg.train, denv.device
     model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
@@ -145,7 +158,7 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
                                         denv.rank, denv.world_size, t.seed), device)
         lr = scheduler.get_last_lr()[0]
         loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches,
-                                     cfg.optim.grad_clip, meter)
+                                     cfg.optim.grad_clip, meter, built.offloader)
         loss_value = mean_over_ranks(loss)  # also waits for the step to finish
         step_time = time.perf_counter() - started
         tokens_per_s = tokens_per_step / step_time
@@ -160,6 +173,8 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
             meter.reset_peak()
             if recompute_s is not None:
                 metrics["recompute_s"] = recompute_s
+            if built.offloader is not None:
+                metrics["offloaded_bytes"] = built.offloader.stats.offloaded_bytes
             if peak is not None:
                 metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
             logger.record(metrics)
