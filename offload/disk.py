@@ -1,0 +1,390 @@
+"""offload.target=disk: saved storages wait in files between forward and backward.
+
+One file per stored storage, in a folder of this process's own under `offload.dir`. One file per
+storage (rather than one append-only file per step) lets each file go the moment its data is back,
+so the disk holds only what backward has not reached yet; the per-file cost is nothing next to
+activation sizes of megabytes and more.
+
+A writer thread writes what `put` queues; `put` blocks only while `max_inflight_bytes` already
+wait to be written. Once written, the store drops its reference, so a storage nobody else holds is
+freed (on the CPU that is the point: resident memory goes down). A reader thread reads back in the
+order `prefetch` asks, i.e. one block ahead of backward; files are deleted as soon as their data is
+back. On CUDA both threads go through two pinned staging buffers each (chunk by chunk, the copy of
+one chunk overlapping the file I/O of the other), so pinned memory stays at 4 x chunk_bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from offload.cuda import (Copier, CudaCopier, Event, HoldUntil, copy_in_staged,
+                          copy_out_staged)
+from offload.engine import OffloadError, resolve_device
+
+FOLDER_PREFIX = "blocktrain-offload-"
+
+
+def check_writable(dir: str, need_bytes: int) -> None:
+    """Start-up check: `dir` can be created and written, and has need_bytes free."""
+    try:
+        os.makedirs(dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=dir):
+            pass
+    except OSError as error:
+        raise OffloadError(f"offload.dir: {dir!r} is not writable ({error})") from error
+    free = shutil.disk_usage(dir).free
+    if free < need_bytes:
+        raise OffloadError(f"offload.dir: {dir!r} has {free} bytes free, {need_bytes} are needed")
+
+
+def host_tag() -> str:
+    """This host, as it appears in folder names (no separators)."""
+    return socket.gethostname().replace(os.sep, "_").replace("-", "_")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def cleanup_stale(dir: str) -> list[str]:
+    """Remove the folders that crashed runs on this host left in `dir`; returns their paths.
+
+    A folder is named <prefix><host>-<pid>-<token>. Only this host's folders whose process is gone
+    are removed: on a shared file system another node's live run looks like a dead local pid.
+    """
+    removed = []
+    for name in sorted(os.listdir(dir)):
+        parts = name[len(FOLDER_PREFIX):].split("-") if name.startswith(FOLDER_PREFIX) else []
+        if len(parts) != 3 or parts[0] != host_tag() or not parts[1].isdigit():
+            continue
+        if not _alive(int(parts[1])):
+            path = os.path.join(dir, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _write_all(file, data: Tensor) -> None:
+    view = memoryview(data.numpy())
+    while view:
+        view = view[file.write(view):]
+
+
+def _read_into(file, data: Tensor) -> None:
+    view = memoryview(data.numpy())
+    while view:
+        count = file.readinto(view)
+        if not count:
+            raise OSError("file shorter than what was written")
+        view = view[count:]
+
+
+class _DiskTicket:
+    __slots__ = ("nbytes", "path", "source", "ready", "writing", "on_disk", "released",
+                 "restored", "restored_ready", "read_queued", "reading", "consumer", "error")
+    kept_on_device = False
+
+    def __init__(self, nbytes: int, path: str, source: Tensor, ready: Optional[Event]) -> None:
+        self.nbytes, self.path = nbytes, path
+        self.source: Optional[Tensor] = source  # until written
+        self.ready = ready  # marks the source's producer on the compute stream (CUDA)
+        self.writing = self.on_disk = self.released = False
+        self.read_queued = self.reading = False
+        self.restored: Optional[Tensor] = None
+        self.restored_ready: Optional[Event] = None
+        self.consumer: object = None  # the stream that will use the data back
+        self.error: Optional[OffloadError] = None
+
+
+class DiskStore:
+    """Files under `dir` for saved storages.
+
+    device: the compute device. max_inflight_bytes: bytes queued for writing before `put` blocks.
+    copier: how bytes reach host memory on a device (default: CUDA side streams); None on CPU.
+    chunk_bytes: size of each pinned staging buffer (device only). before_write: run on the
+    writer thread before each file (tests inject delays or failures through it).
+    """
+
+    def __init__(self, dir: str, device: torch.device | str, max_inflight_bytes: int = 1 << 30,
+                 copier: Optional[Copier] = None, chunk_bytes: int = 64 << 20,
+                 side_stream_delay: Optional[Callable[[], None]] = None,
+                 before_write: Optional[Callable[[], None]] = None) -> None:
+        self.device = resolve_device(device)
+        if copier is None and self.device.type == "cuda":
+            copier = CudaCopier(self.device, side_stream_delay)
+        self._copier = copier
+        self.moves_data = True
+        self.max_inflight_bytes, self.chunk_bytes = max_inflight_bytes, chunk_bytes
+        self._before_write = before_write
+        check_writable(dir, 0)
+        self.removed_stale = cleanup_stale(dir)
+        self.folder = os.path.join(dir, f"{FOLDER_PREFIX}{host_tag()}-{os.getpid()}-"
+                                        f"{secrets.token_hex(4)}")
+        os.makedirs(self.folder)
+        self._cond = threading.Condition()
+        self._live: dict[int, _DiskTicket] = {}  # by id(ticket): not yet released
+        self._next_file = 0
+        self._inflight = self._pending_writes = self._pending_reads = 0
+        self._error: Optional[OffloadError] = None
+        self._closed = False
+        self._holds = HoldUntil()
+        self.bytes_written = self.bytes_read = self.served_before_write = 0
+        self.peak_inflight_bytes = 0
+        self._writes: queue.Queue = queue.Queue()
+        self._reads: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                        name="blocktrain-offload-writer")
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name="blocktrain-offload-reader")
+        self._writer.start()
+        self._reader.start()
+
+    # --- Store ---------------------------------------------------------------------------
+
+    def put(self, flat: Tensor, group: int) -> _DiskTicket:
+        nbytes = flat.numel()
+        ready = self._copier.ready_event() if self._copier is not None else None
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("offload: DiskStore.put after close()")
+            if self._error is not None:
+                raise self._error
+            # One storage larger than the bound still goes when nothing else waits.
+            self._wait(lambda: self._inflight == 0
+                       or self._inflight + nbytes <= self.max_inflight_bytes)
+            path = os.path.join(self.folder, f"{self._next_file}.bin")
+            self._next_file += 1
+            ticket = _DiskTicket(nbytes, path, flat, ready)
+            self._live[id(ticket)] = ticket
+            self._inflight += nbytes
+            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight)
+            self._pending_writes += 1
+        self._writes.put(ticket)
+        return ticket
+
+    def prefetch(self, ticket: _DiskTicket) -> None:
+        with self._cond:
+            if ticket.restored is None and not ticket.released and ticket.error is None:
+                self._queue_read(ticket)
+
+    def get(self, ticket: _DiskTicket) -> Tensor:
+        with self._cond:
+            if ticket.restored is None and ticket.source is not None:
+                # Not written yet: serve it from memory; the file goes once written.
+                ticket.restored = ticket.source
+                self.served_before_write += 1
+            elif ticket.restored is None:
+                self._queue_read(ticket)
+                self._wait(lambda: ticket.restored is not None or ticket.error is not None)
+            if ticket.error is not None:
+                raise ticket.error
+            restored, ready = ticket.restored, ticket.restored_ready
+        if self._copier is not None:
+            self._copier.wait(ready)
+        return restored
+
+    def release(self, ticket: _DiskTicket) -> None:
+        with self._cond:
+            self._release(ticket)
+
+    def poll(self) -> None:
+        self._holds.reap()
+
+    def flush(self) -> None:
+        """Wait until everything queued has been written."""
+        with self._cond:
+            self._wait(lambda: self._pending_writes == 0, raise_error=False)
+
+    def end_step(self) -> None:
+        """Release what is left, finish the threads' work, check no file or memory leaked."""
+        with self._cond:
+            for ticket in list(self._live.values()):
+                self._release(ticket)
+            self._wait(lambda: self._pending_writes == 0 and self._pending_reads == 0,
+                       raise_error=False)
+            inflight = self._inflight
+        self._holds.drain()
+        leftovers = os.listdir(self.folder)
+        for name in leftovers:
+            os.remove(os.path.join(self.folder, name))
+        if leftovers or inflight:
+            raise RuntimeError(f"offload: DiskStore leaked files {leftovers} and {inflight} "
+                               "bytes waiting to be written")
+
+    def close(self) -> None:
+        """Stop the threads and remove this process's folder; also after a failed step."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._writer.is_alive() and self._reader.is_alive():
+                self.end_step()
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+            self._writes.put(None)
+            self._reads.put(None)
+            self._writer.join(timeout=60)
+            self._reader.join(timeout=60)
+            self._holds.drain()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- under self._cond ----------------------------------------------------------------
+
+    def _wait(self, done: Callable[[], bool], raise_error: bool = True) -> None:
+        """Wait for the threads; never forever: a dead thread or a failed write ends it."""
+        while not done():
+            if raise_error and self._error is not None:
+                raise self._error
+            if not (self._writer.is_alive() and self._reader.is_alive()):
+                raise RuntimeError("offload: the disk store's I/O threads are not running "
+                                   "(closed?)")
+            self._cond.wait(timeout=1.0)
+
+    def _queue_read(self, ticket: _DiskTicket) -> None:
+        if ticket.read_queued:
+            return
+        ticket.read_queued = True
+        ticket.consumer = self._copier.current_stream() if self._copier is not None else None
+        self._pending_reads += 1
+        self._reads.put(ticket)
+
+    def _release(self, ticket: _DiskTicket) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        del self._live[id(ticket)]
+        self._drop_restored(ticket)
+        if not ticket.writing:
+            self._drop_source(ticket)  # queued, never to be written: free its memory now
+        if ticket.on_disk and not ticket.reading:
+            self._delete(ticket)
+
+    def _drop_source(self, ticket: _DiskTicket) -> None:
+        if ticket.source is not None:
+            ticket.source = None
+            self._inflight -= ticket.nbytes
+            self._cond.notify_all()
+
+    def _drop_restored(self, ticket: _DiskTicket) -> None:
+        if ticket.restored is not None:
+            # If only prefetched, the copy to the device may still be writing into it.
+            self._holds.add(ticket.restored_ready, payload=ticket.restored)
+            ticket.restored = None
+
+    def _delete(self, ticket: _DiskTicket) -> None:
+        ticket.on_disk = False
+        try:
+            os.remove(ticket.path)
+        except FileNotFoundError:
+            pass
+
+    # --- threads -------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        staging: list[Tensor] = []
+        while (ticket := self._writes.get()) is not None:
+            with self._cond:
+                skip = ticket.released or ticket.restored is not None
+                ticket.writing = not skip
+                source = ticket.source
+            error = None
+            if not skip:
+                try:
+                    if self._before_write is not None:
+                        self._before_write()
+                    with open(ticket.path, "wb", buffering=0) as file:
+                        if self._copier is None:
+                            _write_all(file, source)
+                        else:
+                            staging = staging or [self._copier.allocate_host(self.chunk_bytes)
+                                                  for _ in range(2)]
+                            copy_out_staged(self._copier, source, ticket.ready, staging,
+                                            self.chunk_bytes, functools.partial(_write_all, file))
+                except Exception as exc:  # reported to the training thread, not lost here
+                    error = exc
+            del source
+            with self._cond:
+                ticket.writing = False
+                self._drop_source(ticket)
+                self._pending_writes -= 1
+                if error is not None:
+                    ticket.error = self._error = OffloadError(
+                        f"offload.dir: writing {ticket.path} failed: {error}")
+                    self._delete(ticket)  # whatever part of it was written
+                elif not skip:
+                    ticket.on_disk = True
+                    self.bytes_written += ticket.nbytes
+                if ticket.on_disk and (ticket.released or ticket.restored is not None):
+                    self._delete(ticket)
+                self._cond.notify_all()
+
+    def _read_loop(self) -> None:
+        staging: list[Tensor] = []
+        in_use: list[Optional[Event]] = [None, None]  # the last copy out of each staging buffer
+        while (ticket := self._reads.get()) is not None:
+            with self._cond:
+                # Writes finish in queue order; this one's is at most a queue away.
+                while not (ticket.on_disk or ticket.error or ticket.released
+                           or ticket.restored is not None or self._closed):
+                    self._cond.wait(timeout=1.0)
+                go = ticket.on_disk and not ticket.released and ticket.restored is None
+                ticket.reading = go
+            result, error = (None, None), None
+            if go:
+                try:
+                    staging = staging or ([self._copier.allocate_host(self.chunk_bytes)
+                                           for _ in range(2)] if self._copier else [])
+                    result = self._read(ticket, staging, in_use)
+                except Exception as exc:  # reported to the training thread, not lost here
+                    error = exc
+            with self._cond:
+                ticket.reading = False
+                self._pending_reads -= 1
+                if error is not None:
+                    ticket.error = OffloadError(f"offload.dir: reading {ticket.path} failed: "
+                                                f"{error}")
+                elif go:
+                    ticket.restored, ticket.restored_ready = result
+                    self.bytes_read += ticket.nbytes
+                    if ticket.released:
+                        self._drop_restored(ticket)
+                if ticket.on_disk and (ticket.released or ticket.restored is not None):
+                    self._delete(ticket)  # the data is back: the file has done its job
+                self._cond.notify_all()
+            result = (None, None)
+
+    def _read(self, ticket: _DiskTicket, staging: list[Tensor],
+              in_use: list[Optional[Event]]) -> tuple[Tensor, Optional[Event]]:
+        with open(ticket.path, "rb", buffering=0) as file:
+            if self._copier is None:
+                restored = torch.empty(ticket.nbytes, dtype=torch.uint8)
+                _read_into(file, restored)
+                return restored, None
+            restored, allocated = self._copier.allocate_device(ticket.nbytes, ticket.consumer)
+            done = copy_in_staged(self._copier, restored, allocated, staging, in_use,
+                                  self.chunk_bytes, functools.partial(_read_into, file))
+            return restored, done

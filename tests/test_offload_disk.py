@@ -1,0 +1,130 @@
+"""The disk store on CPU: memory really freed, files really gone, clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offload.disk import FOLDER_PREFIX, DiskStore, check_writable, host_tag
+from offload.engine import OffloadError, Offloader
+from tests.test_offload_engine import MIN_BYTES, Toy, batch, wrap_blocks
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_disk_offload_really_frees_memory(tmp_path) -> None:
+    store = DiskStore(str(tmp_path), "cpu", max_inflight_bytes=1 << 30)
+    offloader = Offloader(store, MIN_BYTES)
+    x = torch.randn(16 << 20, requires_grad=True)  # 64 MiB
+    refs = []
+    with offloader:
+        offloader.begin_step()
+        before = _rss_bytes()
+        with offloader.block_context(0):
+            y = x.exp()  # saves its output: its only reference once we drop `y`
+            refs.append(StorageWeakRef(y.untyped_storage()))
+            loss = y.sum()
+            del y
+        store.flush()
+        assert refs[0].expired()  # written, and nobody holds it any more
+        assert _rss_bytes() - before < 16 << 20  # the 64 MiB are not resident
+        assert [os.path.getsize(os.path.join(store.folder, f))
+                for f in os.listdir(store.folder)] == [64 << 20]
+        loss.backward()
+        assert torch.equal(x.grad, x.detach().exp())
+        assert os.listdir(store.folder) == []  # read back: deleted
+        offloader.end_step()
+    assert os.listdir(tmp_path) == []
+
+
+def test_forward_waits_for_the_writer_beyond_the_inflight_bound(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Toy()
+    store = DiskStore(str(tmp_path), "cpu", max_inflight_bytes=20 << 10,
+                      before_write=lambda: time.sleep(0.005))
+    offloader = Offloader(store, MIN_BYTES)
+    wrap_blocks(model.blocks, offloader, recompute=False)
+    with offloader:
+        offloader.begin_step()
+        model(batch(0)).backward()
+        offloader.end_step()
+    # Storages are 8 or 16 KiB: without the bound, all 20 would wait for the slow writer.
+    assert 16 << 10 <= store.peak_inflight_bytes <= 20 << 10
+    assert store.bytes_written > 0
+
+
+def test_nothing_left_on_disk_when_a_step_raises(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Toy()
+    store = DiskStore(str(tmp_path), "cpu", before_write=lambda: time.sleep(0.01))
+    offloader = Offloader(store, MIN_BYTES)
+    wrap_blocks(model.blocks, offloader, recompute=False)
+
+    def fail(module, args):
+        raise ValueError("boom")
+
+    model.blocks[2].register_forward_pre_hook(fail)
+    with pytest.raises(ValueError, match="boom"):
+        with offloader:
+            offloader.begin_step()
+            model(batch(0))
+    assert os.listdir(tmp_path) == []
+    assert not store._writer.is_alive() and not store._reader.is_alive()
+
+
+def test_stale_folders_of_dead_processes_are_removed(tmp_path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = tmp_path / f"{FOLDER_PREFIX}{host_tag()}-{int(dead.stdout)}-abcd"
+    alive = tmp_path / f"{FOLDER_PREFIX}{host_tag()}-{os.getpid()}-beef"
+    other_host = tmp_path / f"{FOLDER_PREFIX}elsewhere-{int(dead.stdout)}-abcd"
+    for folder in (stale, alive, other_host):
+        folder.mkdir()
+        (folder / "0.bin").write_bytes(b"x")
+    store = DiskStore(str(tmp_path), "cpu")
+    try:
+        assert store.removed_stale == [str(stale)]
+        assert not stale.exists() and alive.exists() and other_host.exists()
+    finally:
+        store.close()
+
+
+def test_unwritable_or_full_dir_is_a_clear_error(tmp_path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(OffloadError, match="^offload.dir: .* is not writable"):
+        DiskStore(str(blocker / "sub"), "cpu")
+    with pytest.raises(OffloadError, match="^offload.dir: .* bytes free"):
+        check_writable(str(tmp_path), need_bytes=1 << 62)
+    check_writable(str(tmp_path), need_bytes=1)
+
+
+def test_failed_write_is_a_clear_error(tmp_path) -> None:
+    def disk_full() -> None:
+        raise OSError(28, "No space left on device")
+
+    store = DiskStore(str(tmp_path), "cpu", before_write=disk_full)
+    offloader = Offloader(store, MIN_BYTES)
+    torch.manual_seed(0)
+    model = Toy()
+    wrap_blocks(model.blocks, offloader, recompute=False)
+    message = "^offload.dir: writing .* No space left on device"
+    with offloader:
+        offloader.begin_step()
+        with pytest.raises(OffloadError, match=message):
+            loss = model(batch(0))  # raises here when the writer failed before the end...
+            store.flush()  # ...else every write has failed now, none is served from memory
+            loss.backward()
+        offloader.begin_step()
+        with pytest.raises(OffloadError, match=message):
+            model(batch(1))  # the first save of the next step fails at once
+    assert os.listdir(tmp_path) == []
