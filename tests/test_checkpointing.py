@@ -12,24 +12,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from checkpointing.plan import recompute_pattern
 from checkpointing.saved import SavedBytesMeter
 from launch.env import init_distributed, read_env, shutdown
+from tests.checkpoint_harness import POLICIES, SMALL, batch
 from tests.dist import spawn
 from tests.helpers import config
 from trainer.build import build_model
 from trainer.config import DEFAULT_SAVE_OPS
 from trainer.model import lm_loss
 from trainer.optim import build_optimizer
-
-POLICIES = [["checkpointing=none"], ["checkpointing=full"], ["checkpointing=every_k"],
-            ["checkpointing=sqrt"], ["checkpointing=selective"],
-            # A budget between all-full and all-keep makes the planner mix options.
-            ["checkpointing=budget", "checkpointing.budget=0.45"]]
-SMALL = ["data.seq_len=64", "train.micro_batch_size=4", "model.dropout=0.1",
-         "checkpointing.profile_repeats=1"]
-
-
-def _batch(step: int, rank: int = 0, batch: int = 4, seq: int = 64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, 256, (batch, seq + 1), generator=g)
 
 
 def _train_steps(overrides: list[str], steps: int = 3, rank: int = 0):
@@ -43,7 +32,7 @@ def _train_steps(overrides: list[str], steps: int = 3, rank: int = 0):
     optimizer = build_optimizer(model, cfg.optim)
     losses = []
     for step in range(steps):
-        tokens = _batch(step, rank)
+        tokens = batch(step, rank)
         with meter.measure():
             loss = lm_loss(model, tokens[:, :-1], tokens[:, 1:])
         loss.backward()

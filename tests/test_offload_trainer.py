@@ -1,0 +1,99 @@
+"""Offload through the trainer: every recompute policy x every target is exact; disk really frees
+device memory; nothing is left on disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from checkpointing.saved import SavedBytesMeter
+from launch.env import init_distributed, read_env, shutdown
+from offload.apply import close_offloader, offload_micro_batch
+from tests.checkpoint_harness import POLICIES, SMALL, batch
+from tests.dist import spawn
+from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
+from trainer.build import build_model
+from trainer.model import lm_loss
+from trainer.optim import build_optimizer
+
+TARGETS = ("none", "cpu", "disk")
+
+
+def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
+    cfg = config(*SMALL, "offload.min_bytes=0", "offload.keep_last=1", *overrides)
+    meter = SavedBytesMeter()
+    torch.manual_seed(7 + rank)
+    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=run_dir)
+    optimizer = build_optimizer(built.model, cfg.optim)
+    losses, offloaded = [], 0
+    try:
+        for step in range(steps):
+            tokens = batch(step, rank)
+            with offload_micro_batch(built.offloader):
+                with meter.measure():
+                    loss = lm_loss(built.model, tokens[:, :-1], tokens[:, 1:])
+                loss.backward()
+            if built.offloader is not None:
+                offloaded = max(offloaded, built.offloader.stats.offloaded_bytes)
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                     .clone() for n, p in built.model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+    finally:
+        close_offloader(built.offloader)
+    return torch.stack(losses), grads, meter.peak, offloaded
+
+
+def _grid(rank: int, world_size: int, run_dir: str):
+    results = {}
+    for overrides in POLICIES:
+        for target in TARGETS:
+            results[overrides[0], target] = _steps([*overrides, f"offload={target}"],
+                                                   os.path.join(run_dir, f"r{rank}"), rank)
+    return results
+
+
+def _check(results) -> None:
+    ref_losses, ref_grads, ref_saved, _ = results["checkpointing=none", "none"]
+    for (policy, target), (losses, grads, saved, offloaded) in results.items():
+        assert torch.equal(losses, ref_losses), (policy, target)
+        for name, grad in grads.items():
+            assert torch.equal(grad, ref_grads[name]), (policy, target, name)
+        if target == "disk":
+            assert offloaded > 0, policy
+            # What went to disk no longer counts as kept on the device.
+            assert saved < results[policy, "none"][2], policy
+        if target == "cpu":  # the CPU is the compute device: nothing moves, nothing changes
+            assert saved == results[policy, "none"][2], policy
+
+
+def test_every_policy_and_target_bitwise_one_rank(monkeypatch, tmp_path) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    init_distributed(read_env("cpu"), timeout_s=60)
+    try:
+        results = _grid(0, 1, str(tmp_path))
+    finally:
+        shutdown()
+    _check(results)
+    assert not any(files for _, _, files in os.walk(tmp_path))  # every offload file is gone
+
+
+def test_every_policy_and_target_bitwise_two_ranks(tmp_path) -> None:
+    for results in spawn(_grid, 2, str(tmp_path)):
+        _check(results)
+    assert not any(files for _, _, files in os.walk(tmp_path))
+
+
+@pytest.mark.slow
+def test_disk_offload_run_leaves_nothing_and_reports(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    check_ok(run_trainer(QUICK + ["train.steps=3", "checkpointing=full", "offload=disk",
+                                  "offload.min_bytes=0", f"hydra.run.dir={run_dir}"],
+                         cwd=tmp_path, nproc=2))
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert all(m["offloaded_bytes"] > 0 for m in logged)
+    assert not (run_dir / "offload").exists()
