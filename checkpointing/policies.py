@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from checkpointing.plan import BlockPlan, make_plan, recompute_pattern
@@ -27,19 +27,49 @@ def resolve_budget(budget: float, profiles: Sequence[BlockProfile], rest_bytes: 
     return Budget(bytes=value, no_checkpoint_bytes=keep_all)
 
 
-def block_options(names: Sequence[str], profiles: Sequence[BlockProfile]) -> list[BlockOptions]:
-    return [BlockOptions(name=name, peak_bytes=p.peak_bytes,
-                         options=tuple(Option(o, p.saved_bytes[o], p.cost_s[o]) for o in OPTIONS))
-            for name, p in zip(names, profiles, strict=True)]
+@dataclass(frozen=True)
+class OffloadCost:
+    """What the planner needs to cost offload as a per-block option."""
+
+    target: str  # cpu | disk
+    seconds_per_byte: float  # measured: out and back again
+    min_bytes: int  # smaller storages stay on the device
+    keep_last: int  # the last blocks are never offloaded
+
+
+# Planner option name -> (recompute, offload) of the BlockPlan it becomes.
+CHOICES = {"none": ("none", "none"), "selective": ("selective", "none"), "full": ("full", "none"),
+           "none+offload": ("none", "all"), "full+offload": ("full", "inputs")}
+
+
+def block_options(names: Sequence[str], profiles: Sequence[BlockProfile],
+                  offload: Optional[OffloadCost] = None) -> list[BlockOptions]:
+    """Each block's options with saved device bytes and added seconds.
+
+    Offloading costs the transfer time the block's own forward and backward cannot hide
+    (transfers run beside compute); the bytes that stay are the storages under min_bytes.
+    """
+    out = []
+    for index, (name, p) in enumerate(zip(names, profiles, strict=True)):
+        options = [Option(o, p.saved_bytes[o], p.cost_s[o]) for o in OPTIONS]
+        if offload is not None and index < len(names) - offload.keep_last:
+            for recompute in ("none", "full"):
+                stay = p.small_bytes(recompute, offload.min_bytes)
+                moved = p.saved_bytes[recompute] - stay
+                exposed = max(0.0, moved * offload.seconds_per_byte - p.compute_s)
+                options.append(Option(f"{recompute}+offload", stay, p.cost_s[recompute] + exposed))
+        out.append(BlockOptions(name=name, peak_bytes=p.peak_bytes, options=tuple(options)))
+    return out
 
 
 def choose_plan(policy: str, block_names: Sequence[str], shard: bool, every: int = 2,
                 profiles: Optional[Sequence[BlockProfile]] = None, rest_bytes: int = 0,
-                budget: Optional[Budget] = None) -> list[BlockPlan]:
+                budget: Optional[Budget] = None,
+                offload: Optional[OffloadCost] = None) -> list[BlockPlan]:
     if policy != "budget":
         return make_plan(block_names, recompute_pattern(policy, len(block_names), every), shard)
     assert profiles is not None and budget is not None, "the budget policy needs profiles"
-    blocks = block_options(block_names, profiles)
+    blocks = block_options(block_names, profiles, offload)
     try:
         choice = plan_budget(blocks, budget.bytes - rest_bytes)
     except InfeasibleBudget as exc:
@@ -49,16 +79,22 @@ def choose_plan(policy: str, block_names: Sequence[str], shard: bool, every: int
             f"be met: the smallest feasible budget is {smallest} bytes "
             f"({smallest / 2**30:.3f} GiB; {rest_bytes} of it outside the blocks); without "
             f"checkpointing the step keeps {budget.no_checkpoint_bytes} bytes") from exc
-    recompute = [blocks[i].options[c].name for i, c in enumerate(choice)]
-    return make_plan(block_names, recompute, shard)
+    names = [blocks[i].options[c].name for i, c in enumerate(choice)]
+    plan = make_plan(block_names, [CHOICES[n][0] for n in names], shard)
+    return [replace(p, offload=CHOICES[n][1], target=offload.target) if CHOICES[n][1] != "none"
+            else p for p, n in zip(plan, names)]
 
 
 def added_seconds(plan: Sequence[BlockPlan], profiles: Sequence[BlockProfile]) -> float:
-    """Predicted recompute seconds per micro-batch for this plan."""
+    """Profiled recompute seconds per micro-batch for this plan."""
     return sum(p.cost_s[b.recompute] for b, p in zip(plan, profiles, strict=True))
 
 
 def predicted_saved_bytes(plan: Sequence[BlockPlan], profiles: Sequence[BlockProfile],
-                          rest_bytes: int) -> int:
-    """Activation bytes kept at the end of a micro-batch's forward under this plan."""
-    return rest_bytes + sum(p.saved_bytes[b.recompute] for b, p in zip(plan, profiles, strict=True))
+                          rest_bytes: int, min_bytes: int = 0) -> int:
+    """Activation bytes kept on the device at the end of a micro-batch's forward."""
+    total = rest_bytes
+    for b, p in zip(plan, profiles, strict=True):
+        offloaded = b.offload != "none"
+        total += p.small_bytes(b.recompute, min_bytes) if offloaded else p.saved_bytes[b.recompute]
+    return total

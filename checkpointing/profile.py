@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,6 +27,12 @@ OPTIONS = ("none", "selective", "full")
 class BlockProfile:
     saved_bytes: dict[str, int]  # per option: bytes kept from forward to backward
     cost_s: dict[str, float]  # per option: seconds added to forward+backward (recompute)
+    compute_s: float = 0.0  # forward+backward of the block as it is (transfers can hide here)
+    storage_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per option
+
+    def small_bytes(self, option: str, min_bytes: int) -> int:
+        """What stays on the device when `option`'s saved storages are offloaded."""
+        return sum(n for n in self.storage_sizes.get(option, ()) if n < min_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -102,7 +108,7 @@ def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.dev
             p.normal_(0.0, 0.02, generator=generator)
     real_args, real_kwargs = tree_map(lambda x: _real_like(x, device, generator), (args, kwargs))
     candidates = {option: _wrapped_copy(real, option, save_ops) for option in OPTIONS}
-    saved = {}
+    saved, sizes = {}, {}
     seconds = {option: float("inf") for option in OPTIONS}
     # Options take turns, after one untimed round: allocator and thread-pool warm-up would
     # otherwise be charged to whichever option ran first.
@@ -115,11 +121,13 @@ def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.dev
             out.float().square().mean().backward()
             _sync(device)
             saved[option] = meter.bytes
+            sizes[option] = tuple(meter.sizes)
             if attempt > 0:
                 seconds[option] = min(seconds[option], time.perf_counter() - started)
     base = seconds["none"]
     return BlockProfile(saved_bytes=saved,
-                        cost_s={o: max(0.0, seconds[o] - base) for o in OPTIONS})
+                        cost_s={o: max(0.0, seconds[o] - base) for o in OPTIONS},
+                        compute_s=base, storage_sizes=sizes)
 
 
 def _wrapped_copy(real: nn.Module, option: str, save_ops: Sequence) -> nn.Module:

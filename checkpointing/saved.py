@@ -31,6 +31,7 @@ class SavedBytesMeter:
         self.bytes = 0
         self.peak = 0
         self.active = False
+        self.sizes: list[int] = []  # bytes of each distinct storage of the last measurement
         self._seen: dict[int, torch.UntypedStorage] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -42,6 +43,7 @@ class SavedBytesMeter:
             # Holding the storage keeps its address from being reused while we count.
             self._seen[key] = storage
             self.bytes += storage.nbytes()
+            self.sizes.append(storage.nbytes())
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.add(tensor)
@@ -49,7 +51,7 @@ class SavedBytesMeter:
 
     @contextlib.contextmanager
     def measure(self) -> Iterator["SavedBytesMeter"]:
-        self.bytes, self.active = 0, True
+        self.bytes, self.active, self.sizes = 0, True, []
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield self

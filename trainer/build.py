@@ -19,12 +19,13 @@ import torch.distributed as dist
 
 from checkpointing.blocks import canonical_name, find_blocks
 from checkpointing.plan import BlockPlan, with_offload
-from checkpointing.policies import Budget, choose_plan, resolve_budget
+from checkpointing.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.profile import BlockProfile, profile_blocks, trace_on_meta
 from checkpointing.saved import SavedBytesMeter
 from checkpointing.wrap import apply_checkpointing, resolve_ops
 from launch.env import DistEnv
 from offload.apply import apply_offload, build_offloader, offload_dir
+from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
 from trainer.config import Config, ModelConfig
@@ -117,7 +118,7 @@ class Built:
 
 
 def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Sequence[nn.Module],
-                denv: DistEnv) -> tuple[list[BlockPlan], Optional[list[BlockProfile]], int,
+                denv: DistEnv, run_dir: str) -> tuple[list[BlockPlan], Optional[list[BlockProfile]], int,
                                         Optional[Budget]]:
     """The per-block plan; profiles blocks (rank 0, shared with all) when recompute is in play."""
     c, shard = cfg.checkpointing, cfg.sharding.mode != "none"
@@ -135,9 +136,26 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         # Timings differ between ranks; every rank must carry out the same plan.
         dist.broadcast_object_list(payload, src=0)
     profiles, rest = payload[0]
-    budget = resolve_budget(c.budget, profiles, rest) if c.policy == "budget" else None
-    plan = choose_plan(c.policy, names, shard, c.every, profiles, rest, budget)
+    budget, offload = None, None
+    if c.policy == "budget":
+        budget = resolve_budget(c.budget, profiles, rest)
+        offload = _offload_cost(cfg, denv, run_dir)
+    plan = choose_plan(c.policy, names, shard, c.every, profiles, rest, budget, offload)
     return plan, profiles, rest, budget
+
+
+def _offload_cost(cfg: Config, denv: DistEnv, run_dir: str) -> Optional[OffloadCost]:
+    """The planner's offload option, costed from bandwidth measured on rank 0 and shared."""
+    o = cfg.offload
+    if o.target == "none":
+        return None
+    payload = [None]
+    if denv.rank == 0:
+        payload = [seconds_per_byte(o.target, denv.device,
+                                    offload_dir(o.dir, run_dir, denv.rank))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return OffloadCost(o.target, payload[0], o.min_bytes, o.keep_last)
 
 
 def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMeter,
@@ -146,16 +164,18 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     root -> real."""
     model = build_llama_on_meta(cfg.model)
     names, blocks = find_model_blocks(model, cfg.model.block_pattern)
-    plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv)
+    run_dir = run_dir or cfg.train.out_dir
+    plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)
     o = cfg.offload
-    plan = with_offload(plan, o.target, o.keep_last)
+    if cfg.checkpointing.policy != "budget":  # the planner decided offload per block itself
+        plan = with_offload(plan, o.target, o.keep_last)
     # Order matters: the checkpoint wrapper sits inside the offload hooks (which then see what
     # the block keeps: its inputs if it recomputes), both inside compile, and all of it inside
     # fully_shard, so recompute happens while FSDP holds the block unsharded (one all-gather).
     apply_checkpointing(blocks, plan, cfg.checkpointing.save_ops,
                         meter=None if cfg.train.compile else meter)
     offloader = build_offloader(o.target, denv.device, o.min_bytes, o.max_host_bytes,
-                                offload_dir(o.dir, run_dir or cfg.train.out_dir, denv.rank),
+                                offload_dir(o.dir, run_dir, denv.rank),
                                 o.max_inflight_bytes, denv.is_main)
     apply_offload(blocks, plan, offloader, meter)
     if cfg.train.compile:
