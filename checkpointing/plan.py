@@ -119,3 +119,9 @@ def describe(plan: Sequence[BlockPlan]) -> str:
     sharded = sum(p.shard for p in plan)
     return (f"{len(plan)} blocks: recompute {counts('recompute')}; offload {counts('offload')}; "
             f"sharded {sharded}/{len(plan)}")
+
+
+if __name__ == "__main__":
+    from checkpointing.report import main
+
+    main()

@@ -75,7 +75,7 @@ def _sharded_toy(rank: int, world_size: int):
         model = ToyMixer()
     names = [n for n, _ in find_blocks(model)]
     blocks = [m for _, m in find_blocks(model)]
-    plan = make_plan(names, "none", shard=True)
+    plan = make_plan(names, ["none"] * len(names), shard=True)
     mesh = build_mesh("fsdp", "cpu", world_size, 1)
     apply_fsdp(model, blocks, plan, mesh, mixed_precision(None, None), True)
     materialize(model, torch.device("cpu"), seed=3)
@@ -103,7 +103,7 @@ def _llama_full_weights(rank: int, world_size: int, mode: str):
     model = build_llama_on_meta(cfg.model)
     found = find_blocks(model)
     mesh = build_mesh(mode, "cpu", world_size, 2 if mode == "hsdp" else 1)
-    apply_fsdp(model, [m for _, m in found], make_plan([n for n, _ in found], "none", True),
+    apply_fsdp(model, [m for _, m in found], make_plan([n for n, _ in found], ["none"] * len(found), True),
                mesh, mixed_precision(None, None), True)
     materialize(model, torch.device("cpu"), seed=0)
     out = {n: p.full_tensor() for n, p in model.named_parameters()}

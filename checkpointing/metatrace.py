@@ -1,0 +1,324 @@
+"""Measuring a model's activations on the meta device: bytes, not time, for any size of model.
+
+Everything here runs on meta tensors, so an 80-layer 70B model at 8k tokens is measured in seconds
+without a byte of real memory. Three kinds of numbers come out:
+
+* per distinct block and recompute option: the bytes kept from forward to backward (the same
+  SavedBytesMeter and checkpoint wrapper the trainer uses) and the peak bytes alive while the block
+  runs (its working set, from a live-storage tracker over its forward and backward);
+* for the part of the model after the last block (the output layer and the loss, "the head"): its
+  saved bytes and how far its own forward and backward rise above them (logits and their
+  gradients are the largest tensors of a language model at long sequence lengths);
+* forward FLOPs per block, and how many of them each option recomputes.
+
+Attention: on meta (and on CPU with dropout) `scaled_dot_product_attention` takes the math path,
+which keeps T x T attention probabilities. No GPU kernel does that: flash, cuDNN and efficient
+attention keep q, k, v, the output and a B x H x T fp32 log-sum-exp. `FusedAttentionOnMeta`
+therefore sends meta calls to `_scaled_dot_product_flash_attention_for_cpu`, whose meta kernel and
+autograd formula keep exactly that. It takes k and v with fewer heads than q (grouped-query
+attention) as they are, as the CUDA flash kernel does, so nothing is expanded or over-counted.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from checkpointing.profile import OPTIONS, trace_on_meta
+from checkpointing.saved import SavedBytesMeter
+from checkpointing.wrap import checkpoint_block
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class FusedAttentionOnMeta(TorchFunctionMode):
+    """Runs meta `scaled_dot_product_attention` as a fused kernel (see the module docstring).
+
+    Calls with an explicit mask keep the original path: the flash kernel takes no mask, and a
+    masked call on a GPU runs the efficient kernel, which saves the mask as well.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            fused = _fused_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def fused_forward(forward: Callable) -> Callable:
+    """`forward` under FusedAttentionOnMeta wherever it runs, recompute in backward included.
+
+    A mode entered around `backward()` would not do: the mode is off while it handles the
+    `backward` call itself, so the recompute inside would take the math path.
+    """
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with FusedAttentionOnMeta():
+            return forward(*args, **kwargs)
+    return run
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, scale: Optional[float] = None,
+                     enable_gqa: bool = False) -> Optional[torch.Tensor]:
+    if query.device.type != "meta" or attn_mask is not None:
+        return None
+    if key.shape[-3] != query.shape[-3] and not enable_gqa:
+        return None  # let the original report the shape mismatch
+    output, _ = _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
+    return output
+
+
+def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """The two attention matmuls (scores, then probabilities x values), causal mask ignored, as
+    FlopCounterMode counts the CUDA attention kernels."""
+    batch, heads, q_len, head_dim = query_shape
+    k_len, v_dim = key_shape[-2], value_shape[-1]
+    return 2 * batch * heads * q_len * k_len * head_dim + 2 * batch * heads * q_len * k_len * v_dim
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that ops create while active, and their peak, until each one dies.
+
+    A storage counts from the op that allocates it until its last reference goes (a weakref
+    finalizer; storages keep one Python object for their whole life). Outputs that alias an input
+    (views, in-place and out= ops) allocate nothing and are not counted. Meta storages are never
+    resized, so each size is read once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._restart = False
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def reset_peak_at_next_op(self) -> None:
+        """For a reset inside a forward hook: the module's temporaries are freed only after its
+        hooks have run, so the peak restarts at the next op instead."""
+        self._restart = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._restart:
+            self.peak, self._restart = self.current, False
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key not in inputs and key not in self._sizes:
+                    self._sizes[key] = storage.nbytes()
+                    self.current += self._sizes[key]
+                    weakref.finalize(storage, self._release, key)
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+
+
+@dataclass(frozen=True)
+class BlockMeasure:
+    """One block at its real input shapes, per recompute option."""
+
+    saved_bytes: dict[str, int]  # kept from forward to backward
+    peak_bytes: dict[str, int]  # most bytes alive while the block runs forward or backward,
+    #                             its saved bytes and unsharded weight gradients included
+    forward_flops: int
+    recompute_flops: dict[str, int]  # FLOPs each option runs again in backward
+
+
+@dataclass(frozen=True)
+class HeadMeasure:
+    """The part of the model after the last block (output layer and loss)."""
+
+    saved_bytes: int
+    extra_bytes: int  # the most its forward or backward holds above its saved bytes
+    grad_param_names: tuple[str, ...]  # outside-block parameters whose gradients it produces
+
+
+@dataclass(frozen=True)
+class MetaProfile:
+    block_names: tuple[str, ...]
+    blocks: tuple[BlockMeasure, ...]  # identical blocks share one measurement
+    rest_bytes: int  # saved outside all blocks (embedding stage + head), trace_on_meta's count
+    head: HeadMeasure
+
+    @property
+    def before_blocks_bytes(self) -> int:
+        """Saved outside the blocks and before them (the embedding stage): held to the end."""
+        return max(0, self.rest_bytes - self.head.saved_bytes)
+
+
+def _detached(x: Any) -> Any:
+    """A leaf copy of a traced meta input, so backward stops at the block."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad and x.is_floating_point())
+    return x
+
+
+def _clear_grads(module: nn.Module) -> None:
+    for param in module.parameters():
+        param.grad = None
+
+
+def _backward_from(out: Any) -> None:
+    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    # The gradient arriving from the next block is allocated inside the measurement, as it is
+    # alive while this block's backward runs.
+    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+def _distinct_bytes(tree: Any) -> int:
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequence,
+                  save_op_names: Sequence[str]) -> BlockMeasure:
+    """Saved and peak bytes per option, and FLOPs, of one block on meta."""
+    args, kwargs = tree_map(_detached, (args, kwargs))
+    input_bytes = _distinct_bytes((args, kwargs))
+    saved, peak = {}, {}
+    for option in OPTIONS:
+        candidate = copy.copy(block)  # shares the parameters, gets its own forward to wrap
+        candidate.forward = fused_forward(candidate.forward)
+        meter = SavedBytesMeter()
+        checkpoint_block(candidate, option, save_ops, meter)
+        live = LiveBytes()
+        with live:
+            with meter.measure():
+                out = candidate(*args, **kwargs)
+            forward_peak = input_bytes + live.peak
+            at_end = live.current
+            live.reset_peak()
+            _backward_from(out)
+            # Relative to the end of forward: the block's own output is then the next block's
+            # input, counted there, and it cancels out here.
+            backward_peak = meter.bytes + live.peak - at_end
+        del out
+        _clear_grads(block)
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                leaf.grad = None
+        saved[option] = meter.bytes
+        peak[option] = max(forward_peak, backward_peak)
+    forward_flops, saved_op_flops = _forward_flops(block, args, kwargs, save_op_names)
+    recompute = {"none": 0, "full": forward_flops,
+                 "selective": max(0, forward_flops - saved_op_flops)}
+    return BlockMeasure(saved_bytes=saved, peak_bytes=peak, forward_flops=forward_flops,
+                        recompute_flops=recompute)
+
+
+def _forward_flops(block: nn.Module, args: tuple, kwargs: dict,
+                   save_op_names: Sequence[str]) -> tuple[int, int]:
+    """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps) of one block."""
+    counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})
+    with FusedAttentionOnMeta(), counter, torch.no_grad():
+        block(*args, **kwargs)
+    by_op = counter.get_flop_counts().get("Global", {})
+    kept = set(save_op_names)
+    saved_flops = sum(n for op, n in by_op.items() if getattr(op, "__name__", str(op)) in kept
+                      or str(op).split(".")[-1] in kept)
+    return counter.get_total_flops(), saved_flops
+
+
+def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    def describe(x):
+        return (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
+    return type(block).__qualname__, params, str(tree_map(describe, (args, kwargs)))
+
+
+def measure_head(model: nn.Module, blocks: Sequence[nn.Module],
+                 run_forward: Callable[[nn.Module], torch.Tensor]) -> HeadMeasure:
+    """A whole forward on meta, measured only from the last block's output on.
+
+    The last block's output is replaced by a detached leaf, so the backward runs the head alone.
+    """
+    live, meter = LiveBytes(), SavedBytesMeter()
+    started = [False]
+
+    def cut(module, args, output):
+        started[0] = True
+        leaf = tree_map(_detached, output)
+        live.reset_peak_at_next_op()
+        meter.active = True
+        return leaf
+
+    handle = blocks[-1].register_forward_hook(cut)
+    try:
+        with live:
+            with FusedAttentionOnMeta(), meter.measure():
+                meter.active = False  # until the cut
+                loss = run_forward(model)
+            assert started[0], "the last block did not run"
+            head_live_at_end = live.current
+            forward_peak = live.peak
+            live.reset_peak()
+            loss.backward()
+            backward_peak = live.peak
+    finally:
+        handle.remove()
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    names = tuple(name for name, p in model.named_parameters()
+                  if id(p) not in in_blocks and p.grad is not None)
+    _clear_grads(model)
+    extra = max(forward_peak, backward_peak) - head_live_at_end
+    return HeadMeasure(saved_bytes=meter.bytes, extra_bytes=max(0, extra), grad_param_names=names)
+
+
+def profile_on_meta(model: nn.Module, block_names: Sequence[str], blocks: Sequence[nn.Module],
+                    run_forward: Callable[[nn.Module], torch.Tensor], save_ops: Sequence,
+                    save_op_names: Sequence[str]) -> MetaProfile:
+    """Everything the memory model needs about activations, from meta runs only."""
+    with FusedAttentionOnMeta():
+        trace = trace_on_meta(model, blocks, run_forward)
+    head = measure_head(model, blocks, run_forward)
+    cache: dict[tuple, BlockMeasure] = {}
+    measures = []
+    for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
+        key = _signature(block, args, kwargs)
+        if key not in cache:
+            cache[key] = measure_block(block, args, kwargs, save_ops, save_op_names)
+        measures.append(cache[key])
+    return MetaProfile(block_names=tuple(block_names), blocks=tuple(measures),
+                       rest_bytes=trace.rest_saved_bytes, head=head)
+
+
+def cast_like_fsdp(model: nn.Module, blocks: Sequence[nn.Module], dtype: torch.dtype) -> list:
+    """Make a meta model compute in `dtype` as FSDP2's MixedPrecisionPolicy(param_dtype) does.
+
+    FSDP2 all-gathers parameters in param_dtype and casts the floating inputs of every sharded
+    module (each block and the root) to it; the meta model gets the same by converting its
+    parameters and adding the same input casts. Returns the hook handles.
+    """
+    model.to(dtype)
+
+    def cast_inputs(module, args, kwargs):
+        def cast(x):
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return [m.register_forward_pre_hook(cast_inputs, with_kwargs=True) for m in (model, *blocks)]

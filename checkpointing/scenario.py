@@ -1,0 +1,125 @@
+"""One configuration's predicted per-rank memory: meta profile -> plan -> memory estimate.
+
+A Scenario is a composed config plus its world; `Evaluator` turns it into an `Outcome` and keeps
+the meta profiles it made, so configurations that differ only in the plan, the world or the
+sharding (not in activation shapes or dtypes) reuse one profile instead of tracing again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from checkpointing.memory import Estimate, ParamGroup, Setup, estimate, param_groups
+from checkpointing.metatrace import MetaProfile, cast_like_fsdp, profile_on_meta
+from checkpointing.plan import BlockPlan
+from checkpointing.policies import Budget, choose_plan, resolve_budget
+from checkpointing.profile import BlockProfile
+from checkpointing.wrap import resolve_ops
+from trainer.build import build_llama_on_meta, find_model_blocks
+from trainer.config import Config, Layout, validate
+from trainer.model import lm_loss
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    cfg: Config
+    layout: Layout
+    gpus_per_node: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    scenario: Scenario
+    plan: list[BlockPlan]
+    estimate: Estimate
+    profile: MetaProfile
+    groups: list[ParamGroup]
+    budget: Optional[Budget]
+    seconds_per_flop: float  # 1 / nominal throughput, for recompute seconds
+
+
+def with_changes(scenario: Scenario, world_size: Optional[int] = None, nodes: Optional[int] = None,
+                 **sections: dict) -> Scenario:
+    """A copy with config sections changed (e.g. train={"micro_batch_size": 2}) and, when given,
+    a new world; the layout is re-derived by the trainer's own validation."""
+    cfg = scenario.cfg
+    for section, values in sections.items():
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                       **values)})
+    world = world_size or scenario.layout.world_size
+    num_nodes = nodes or max(1, scenario.layout.world_size // scenario.gpus_per_node)
+    layout = validate(cfg, world_size=world, num_nodes=num_nodes)
+    return Scenario(cfg, layout, world // num_nodes)
+
+
+def setup_of(scenario: Scenario, orig_dtype: torch.dtype, optimizer_foreach: bool) -> Setup:
+    s = scenario.cfg.sharding
+    param_dtype = DTYPES[s.param_dtype] if s.param_dtype else orig_dtype
+    return Setup(mode=s.mode, world_size=scenario.layout.world_size, shard=scenario.layout.shard,
+                 grad_accum=scenario.layout.grad_accum, param_dtype=param_dtype,
+                 orig_dtype=orig_dtype,
+                 reduce_dtype=DTYPES[s.reduce_dtype] if s.reduce_dtype else param_dtype,
+                 reshard_after_forward=s.reshard_after_forward,
+                 optimizer_foreach=optimizer_foreach, cpu_offload=s.cpu_offload)
+
+
+def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockProfile]:
+    """The planner's inputs as the trainer builds them, with recompute time from FLOPs."""
+    return [BlockProfile(saved_bytes=dict(m.saved_bytes),
+                         cost_s={o: f * seconds_per_flop for o, f in m.recompute_flops.items()})
+            for m in profile.blocks]
+
+
+def make_plan(scenario: Scenario, profile: MetaProfile,
+              seconds_per_flop: float) -> tuple[list[BlockPlan], Optional[Budget]]:
+    """The trainer's plan for this config (policies.choose_plan); raises BudgetError."""
+    c = scenario.cfg.checkpointing
+    shard = scenario.cfg.sharding.mode != "none"
+    profiles = block_profiles(profile, seconds_per_flop)
+    budget = (resolve_budget(c.budget, profiles, profile.rest_bytes)
+              if c.policy == "budget" else None)
+    plan = choose_plan(c.policy, list(profile.block_names), shard, c.every, profiles,
+                       profile.rest_bytes, budget)
+    return plan, budget
+
+
+class Evaluator:
+    """Predicts scenarios, tracing each distinct activation shape on meta only once."""
+
+    def __init__(self, tflops: float, optimizer_foreach: bool = True) -> None:
+        self.seconds_per_flop = 1.0 / (tflops * 1e12)
+        self.optimizer_foreach = optimizer_foreach
+        self._profiles: dict[tuple, tuple[MetaProfile, list[ParamGroup], torch.dtype]] = {}
+
+    def profile(self, cfg: Config) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
+        """Meta profile, parameter groups and parameter dtype of a config (cached by shapes)."""
+        key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
+               cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
+               tuple(cfg.checkpointing.save_ops))
+        if key not in self._profiles:
+            model = build_llama_on_meta(cfg.model)
+            names, blocks = find_model_blocks(model, cfg.model.block_pattern)
+            orig_dtype = next(model.parameters()).dtype
+            groups = param_groups(model, blocks, names)
+            if key[3] is not None and DTYPES[key[3]] != orig_dtype:
+                cast_like_fsdp(model, blocks, DTYPES[key[3]])
+            tokens = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long,
+                                 device="meta")
+            names_ops = list(cfg.checkpointing.save_ops)
+            profile = profile_on_meta(model, names, blocks, lambda m: lm_loss(m, tokens, tokens),
+                                      resolve_ops(names_ops), names_ops)
+            self._profiles[key] = (profile, groups, orig_dtype)
+        return self._profiles[key]
+
+    def evaluate(self, scenario: Scenario) -> Outcome:
+        profile, groups, orig_dtype = self.profile(scenario.cfg)
+        plan, budget = make_plan(scenario, profile, self.seconds_per_flop)
+        setup = setup_of(scenario, orig_dtype, self.optimizer_foreach)
+        return Outcome(scenario, plan, estimate(groups, profile, plan, setup), profile, groups,
+                       budget, self.seconds_per_flop)

@@ -1,0 +1,294 @@
+"""The pre-flight memory report: meta measurements, the memory model against real CPU steps, the
+command line (8B and 70B tables, files, advice that works, one-line errors)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpointing.memory import estimate, sharded_numel
+from checkpointing.metatrace import FusedAttentionOnMeta, profile_on_meta
+from checkpointing.profile import OPTIONS, profile_blocks, trace_on_meta
+from checkpointing.report import collapse
+from checkpointing.saved import SavedBytesMeter
+from checkpointing.scenario import Evaluator, Scenario, setup_of
+from checkpointing.wrap import resolve_ops
+from launch.env import init_distributed, read_env, shutdown
+from tests.dist import spawn
+from tests.helpers import REPO, config, subprocess_env
+from tests.live_bytes import LiveTensorBytes, tensors_of
+from trainer.build import build_llama_on_meta, build_model, find_model_blocks, llama_args
+from trainer.cli import check
+from trainer.config import DEFAULT_SAVE_OPS
+from trainer.loop import train_step
+from trainer.model import build_llama, lm_loss
+from trainer.optim import build_optimizer, build_scheduler
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Dropout off: with dropout, CPU attention takes the math path (T x T probabilities saved), which
+# the report deliberately does not model (GPU kernels keep no such matrix).
+TINY = ["model.dropout=0", "checkpointing.profile_repeats=1", "data.seq_len=128",
+        "train.micro_batch_size=8"]
+SMALL = TINY + ["model.dim=256", "model.n_layers=6", "model.n_heads=8", "model.n_kv_heads=4",
+                "model.ffn_hidden=768", "train.micro_batch_size=4"]
+POLICIES = [["checkpointing=none"], ["checkpointing=full"], ["checkpointing=selective"],
+            ["checkpointing=budget", "checkpointing.budget=0.45"]]
+# Measured agreement on CPU is within 0.3% (activations) and 0.7% (peak); these leave room for
+# small changes in torch internals without hiding a missing term.
+ACTIVATION_TOLERANCE = 0.02
+PEAK_TOLERANCE = 0.03
+SECONDS_LIMIT = 60
+
+
+# --- meta measurements ---------------------------------------------------------------------
+
+def test_fused_attention_on_meta_keeps_what_a_flash_kernel_keeps() -> None:
+    batch, heads, kv_heads, seq, head_dim = 2, 8, 2, 256, 16
+    q = torch.empty(batch, heads, seq, head_dim, device="meta", requires_grad=True)
+    k, v = (torch.empty(batch, kv_heads, seq, head_dim, device="meta", requires_grad=True)
+            for _ in range(2))
+    qkv_out_lse = (2 * q.numel() + k.numel() + v.numel() + batch * heads * seq) * 4
+    for fused, expected in ((True, qkv_out_lse), (False, None)):
+        meter = SavedBytesMeter()
+        with meter.measure(), (FusedAttentionOnMeta() if fused else contextlib.nullcontext()):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if expected is not None:  # kv heads are not expanded: no over-count for GQA
+            assert meter.bytes == expected
+        else:  # the math path keeps a T x T matrix per head, which no GPU kernel does
+            assert meter.bytes > qkv_out_lse + batch * heads * seq * seq * 4
+
+
+def test_meta_saved_bytes_equal_the_cpu_profile_of_the_tiny_model() -> None:
+    cfg = config(*TINY)
+    model = build_llama_on_meta(cfg.model)
+    names, blocks = find_model_blocks(model, None)
+    tokens = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long,
+                         device="meta")
+    run = lambda m: lm_loss(m, tokens, tokens)  # noqa: E731
+    ops = resolve_ops(DEFAULT_SAVE_OPS)
+    meta = profile_on_meta(model, names, blocks, run, ops, DEFAULT_SAVE_OPS)
+    trace = trace_on_meta(model, blocks, run)
+    cpu = profile_blocks(blocks, trace, torch.device("cpu"), ops, repeats=1)
+    for measured, predicted in zip(cpu, meta.blocks):
+        for option in OPTIONS:
+            real = measured.saved_bytes[option]
+            assert abs(predicted.saved_bytes[option] - real) <= 0.02 * real, option
+    assert meta.rest_bytes == trace.rest_saved_bytes
+    block = meta.blocks[0]
+    assert block.recompute_flops["full"] == block.forward_flops > 0
+    assert block.recompute_flops["selective"] == 0  # every matmul and attention output is kept
+    assert meta.head.grad_param_names == ("norm.weight", "output.weight")
+
+
+def test_sharded_sizes_pad_dim0_like_fsdp() -> None:
+    for shape in [(128256, 4096), (4096,), (7, 3), (1, 5)]:
+        for shard in (1, 2, 3, 8, 64):
+            chunk = torch.chunk(torch.empty(shape, device="meta"), shard, dim=0)[0]
+            assert sharded_numel(shape, shard) == chunk.numel(), (shape, shard)
+
+
+def test_identical_consecutive_blocks_collapse_into_one_row() -> None:
+    rows = [{"name": f"layers.{i}", "recompute": "full" if i < 79 else "none",
+             "saved_bytes": 1 if i < 79 else 2, "recompute_flops": 0} for i in range(80)]
+    assert [name for name, _ in collapse(rows)] == ["layers.0-78 x79", "layers.79"]
+
+
+def test_cpu_offload_leaves_only_transients_and_activations_on_the_device() -> None:
+    outcomes = {}
+    for offload in ("false", "true"):
+        cfg, layout = check([*TINY, f"sharding.cpu_offload={offload}"], {"WORLD_SIZE": "2"})
+        outcomes[offload] = Evaluator(tflops=400).evaluate(Scenario(cfg, layout, 2)).estimate
+    on_gpu, offloaded = outcomes["false"], outcomes["true"]
+    assert offloaded.host == on_gpu.params + on_gpu.grads + on_gpu.optimizer > 0 == on_gpu.host
+    assert all(p.params == p.grads == p.optimizer == 0 for p in offloaded.phases)
+    assert offloaded.peak.total < on_gpu.peak.total
+    assert offloaded.activation_peak == on_gpu.activation_peak
+
+
+# --- the memory model against real CPU steps -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    with pytest.MonkeyPatch.context() as patch:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+            patch.delenv(key, raising=False)
+        init_distributed(read_env("cpu"), timeout_s=60)
+        yield
+        shutdown()
+
+
+def _measured_step(overrides: list[str], world: int = 1) -> dict:
+    """One warm-up step, then one measured step of the trainer's own train_step (forward,
+    backward, clipping, AdamW): its act_saved_bytes and the peak of live tensor bytes."""
+    cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
+    denv = read_env("cpu")
+    meter = SavedBytesMeter()
+    built = build_model(cfg, denv, layout.replicate, meter)
+    optimizer = build_optimizer(built.model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
+    generator = torch.Generator().manual_seed(denv.rank)
+    for step in range(2):
+        tokens = torch.randint(0, cfg.model.vocab_size,
+                               (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
+                               generator=generator)
+        batches = [(tokens[:, :-1], tokens[:, 1:])]
+        if step == 0:
+            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader)
+            continue
+        with LiveTensorBytes(tensors_of(built.model, optimizer) + [tokens]) as live:
+            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader)
+    return {"act_saved_bytes": meter.peak, "peak": live.peak,
+            "plan": [p.recompute for p in built.plan]}
+
+
+def _predicted(overrides: list[str], plan: list[str], world: int = 1):
+    """The report's estimate for the plan the trainer made (CPU: AdamW's per-parameter loop)."""
+    from checkpointing.plan import make_plan
+
+    cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
+    evaluator = Evaluator(tflops=400, optimizer_foreach=False)
+    profile, groups, orig_dtype = evaluator.profile(cfg)
+    shard = cfg.sharding.mode != "none"
+    setup = setup_of(Scenario(cfg, layout, world), orig_dtype, optimizer_foreach=False)
+    return estimate(groups, profile, make_plan(list(profile.block_names), plan, shard), setup)
+
+
+def _assert_close(predicted: int, measured: int, tolerance: float, what: str) -> None:
+    error = predicted / measured - 1
+    print(f"{what}: predicted {predicted}, measured {measured} ({100 * error:+.2f}%)")
+    assert abs(error) <= tolerance, f"{what}: {predicted} vs {measured} ({100 * error:+.2f}%)"
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p[0].split("=")[1])
+def test_predicted_memory_matches_a_real_cpu_step(world_of_one, model, policy) -> None:
+    """Activation bytes kept at the end of the forward, and the peak of all live tensor bytes
+    (parameters, gradients, optimizer state, FSDP's unsharded copies, activations) of a step
+    with FSDP on a world of one. For budget, the prediction is for the plan the trainer chose
+    (its costs come from CPU timings, the report's from FLOPs, so their plans can differ)."""
+    overrides = (TINY if model == "tiny" else SMALL) + policy
+    measured = _measured_step(overrides)
+    predicted = _predicted(overrides, measured["plan"])
+    _assert_close(predicted.end_of_forward, measured["act_saved_bytes"], ACTIVATION_TOLERANCE,
+                  f"{model} {policy[0]} activations")
+    _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
+                  f"{model} {policy[0]} peak ({predicted.peak.name})")
+    if policy[0] == "checkpointing=budget":  # the report's own plan honours the budget too
+        cfg, layout = check(overrides, {"WORLD_SIZE": "1"})
+        outcome = Evaluator(tflops=400).evaluate(Scenario(cfg, layout, 1))
+        assert outcome.estimate.end_of_forward <= outcome.budget.bytes
+
+
+def _two_rank_step(rank: int, world_size: int, overrides: list[str]) -> dict:
+    return _measured_step(overrides, world=world_size)
+
+
+@pytest.mark.slow
+def test_predicted_peak_matches_two_ranks_with_prefetch() -> None:
+    """With two shards FSDP prefetches the next block's all-gather and pads dim 0 (vocab 301)."""
+    overrides = TINY + ["data.seq_len=128", "train.micro_batch_size=4", "model.vocab_size=301",
+                        "checkpointing=selective"]
+    results = spawn(_two_rank_step, 2, overrides)
+    predicted = _predicted(overrides, results[0]["plan"], world=2)
+    for result in results:
+        _assert_close(predicted.peak.total, result["peak"], PEAK_TOLERANCE, "two ranks peak")
+
+
+# --- the command line ----------------------------------------------------------------------
+
+def _plan_cli(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "checkpointing.plan", *args], cwd=cwd,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    return result, time.perf_counter() - started
+
+
+def _param_bytes_per_rank(overrides: list[str], shard: int) -> int:
+    """FSDP2's local shard of every distinct parameter: chunk 0 of dim 0 (padded), fp32."""
+    model = build_llama(llama_args(config(*overrides).model), device="meta")
+    return sum(torch.chunk(p, shard, dim=0)[0].numel() * p.element_size()
+               for p in model.parameters())
+
+
+LONG = ["data=synthetic", "data.seq_len=8192", "train.micro_batch_size=1", "checkpointing=full"]
+
+
+@pytest.mark.parametrize("name,flags,shard,rows", [
+    ("llama_8b", ["--world-size", "8"], 8, "layers.0-31 x32"),
+    ("llama_70b", ["--world-size", "64", "--nodes", "8"], 64, "layers.0-79 x80"),
+])
+def test_report_for_real_models_in_under_a_minute(tmp_path, name, flags, shard, rows) -> None:
+    overrides = [f"model={name}", *LONG]
+    result, seconds = _plan_cli([*overrides, *flags, "--out", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert seconds < SECONDS_LIMIT, seconds
+    print(result.stdout)
+    assert rows in result.stdout and "predicted peak" in result.stdout
+    assert "no verdict" in result.stdout  # CPU, no --gpu-memory-gib
+    png = (tmp_path / "out" / "memory_plan.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+    data = json.loads((tmp_path / "out" / "memory_plan.json").read_text())
+    assert data["per_rank_bytes"]["params"] == _param_bytes_per_rank(overrides, shard)
+    assert data["shard"] == shard and len(data["blocks"]) == (32 if name == "llama_8b" else 80)
+    assert data["per_rank_bytes"]["predicted_peak"] == data["peak_phase"]["total"]
+
+
+def _apply(base: list[str], change: str) -> list[str]:
+    """The base command line with a suggested change: flags are given again (the last one wins
+    in argparse); overrides of the same key are replaced."""
+    words = change.split()
+    keys = {w.split("=", 1)[0] for w in words if "=" in w}
+    return [w for w in base if w.split("=", 1)[0] not in keys] + words
+
+
+@pytest.mark.slow
+def test_not_fit_advice_is_predicted_to_fit_when_applied(tmp_path) -> None:
+    base = ["model=llama_70b", *LONG, "--world-size", "8", "--gpu-memory-gib", "80"]
+    result, seconds = _plan_cli([*base, "--out", str(tmp_path / "a")], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "does NOT fit (needs" in result.stdout and seconds < SECONDS_LIMIT
+    data = json.loads((tmp_path / "a" / "memory_plan.json").read_text())
+    fitting = [s for s in data["suggestions"] if s["fits"]]
+    assert data["fits"] is False and fitting
+    assert all(s["change"] in result.stdout for s in fitting)
+    change = fitting[0]
+    result, _ = _plan_cli([*_apply(base, change["change"]), "--out", str(tmp_path / "b")],
+                          tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fits: predicted peak" in result.stdout
+    applied = json.loads((tmp_path / "b" / "memory_plan.json").read_text())
+    assert applied["fits"] is True
+    assert applied["per_rank_bytes"] == change["per_rank_bytes"]
+
+
+@pytest.mark.parametrize("args,start", [
+    (["model=gpt5"], "error: model=gpt5: unknown model"),
+    (["train.steps=abc"], "error: train.steps:"),
+    (["--world-size", "0"], "error: --world-size: must be a positive integer"),
+    (["--world-size", "8", "--nodes", "3"], "error: --nodes: 3 must be positive and divide"),
+    (["--bogus"], "error: unrecognized arguments: --bogus"),
+    (["sharding=hsdp", "sharding.replicate=3", "--world-size", "8"],
+     "error: sharding.replicate: 3 does not divide the world size 8"),
+    (["checkpointing=budget", "checkpointing.budget=1000"],
+     "error: checkpointing.budget: 1000 bytes"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, start) -> None:
+    result, _ = _plan_cli([*args, "--out", str(tmp_path)], tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(start), result.stderr
+    assert result.stdout == ""
+
+
+def test_plan_module_still_imports_without_torch() -> None:
+    """checkpointing.plan stays a plain module; only running it as __main__ starts the report."""
+    code = "import sys, checkpointing.plan; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), check=True)
