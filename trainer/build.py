@@ -147,8 +147,8 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
 def _offload_cost(cfg: Config, denv: DistEnv, run_dir: str) -> Optional[OffloadCost]:
     """The planner's offload option, costed from bandwidth measured on rank 0 and shared."""
     o = cfg.offload
-    if o.target == "none":
-        return None
+    if o.target == "none" or (o.target == "cpu" and denv.device.type == "cpu"):
+        return None  # nothing to move, so no device memory to win: not an option to plan with
     payload = [None]
     if denv.rank == 0:
         payload = [seconds_per_byte(o.target, denv.device,
