@@ -1,10 +1,13 @@
-"""Benchmark the checkpoint policies through the real trainer and print a table.
+"""Benchmark the checkpoint policies and offload targets through the real trainer.
 
-    python -m checkpointing.bench [--steps N] [--nproc P] [trainer overrides ...]
+    python -m checkpointing.bench [--steps N] [--nproc P] [--policies a,b] [--targets none,disk]
+                                  [trainer overrides ...]
 
-Each policy runs as its own `python -m trainer` (or torchrun) job with the same overrides; the
-table shows the median step time (first step excluded), its ratio to `none`, the measured
-activation bytes kept for backward, the process peak memory and the profiled recompute time.
+Each (policy, offload target) runs as its own `python -m trainer` (or torchrun) job with the same
+overrides. The table shows the median step time (first step excluded) and its ratio to the same
+policy without offload (or to `none` for the no-offload rows), the activation bytes kept on the
+device, the bytes offloaded per micro-batch, the process peak memory (CUDA: max allocated; CPU:
+peak RSS) and how far it fell against no offload, and the profiled recompute time.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import tempfile
 POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
 
 
-def run_policy(policy: str, overrides: list[str], steps: int, nproc: int, out: str) -> list[dict]:
-    run_dir = os.path.join(out, policy)
-    args = [f"checkpointing={policy}", f"train.steps={steps}", "logging.every=1",
+def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc: int,
+               out: str) -> list[dict]:
+    run_dir = os.path.join(out, f"{policy}-{target}")
+    args = [f"checkpointing={policy}", f"offload={target}", f"train.steps={steps}",
+            "logging.every=1",
             "logging.wandb=false", "logging.progress=false", f"train.eval_every={steps}",
             f"hydra.run.dir={run_dir}", *overrides]
     if nproc > 1:
@@ -44,24 +49,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--targets", default="none", help="offload targets, e.g. none,disk")
     args, overrides = parser.parse_known_args(argv)
-    rows = []
+    rows = {}
     with tempfile.TemporaryDirectory() as out:
         for policy in args.policies.split(","):
-            logged = run_policy(policy, overrides, args.steps, args.nproc, out)
-            rows.append((policy, statistics.median(m["step_time_s"] for m in logged[1:]),
-                         max(m["act_saved_bytes"] for m in logged),
-                         max(m["peak_mem_bytes"] for m in logged),
-                         logged[-1].get("recompute_s", 0.0)))
-    base_time = next(r[1] for r in rows if r[0] == "none") if rows[0][0] == "none" else rows[0][1]
+            for target in args.targets.split(","):
+                logged = run_policy(policy, target, overrides, args.steps, args.nproc, out)
+                rows[policy, target] = {
+                    "step": statistics.median(m["step_time_s"] for m in logged[1:]),
+                    "saved": max(m["act_saved_bytes"] for m in logged),
+                    "offloaded": max(m.get("offloaded_bytes", 0) for m in logged),
+                    "peak": max(m["peak_mem_bytes"] for m in logged),
+                    "recompute": logged[-1].get("recompute_s", 0.0)}
     print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
           f"nproc {args.nproc}: python -m checkpointing.bench --steps {args.steps} "
-          + " ".join(overrides))
-    print("| policy | step s | x none | act saved MiB | peak mem MiB | recompute s (profiled) |")
-    print("|---|---|---|---|---|---|")
-    for policy, step, saved, peak, recompute in rows:
-        print(f"| {policy} | {step:.3f} | {step / base_time:.2f} | {saved / 2**20:.1f} | "
-              f"{peak / 2**20:.0f} | {recompute:.3f} |")
+          f"--policies {args.policies} --targets {args.targets} " + " ".join(overrides))
+    print("| policy | offload | step s | x base | act on device MiB | offloaded MiB | "
+          "peak mem MiB | peak fell by MiB | recompute s (profiled) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (policy, target), r in rows.items():
+        base = rows.get((policy, "none")) if target != "none" else rows.get(("none", "none"))
+        ratio = r["step"] / base["step"] if base else float("nan")
+        fell = (base["peak"] - r["peak"]) / 2**20 if base and target != "none" else 0.0
+        print(f"| {policy} | {target} | {r['step']:.3f} | {ratio:.2f} | {r['saved'] / 2**20:.1f} | "
+              f"{r['offloaded'] / 2**20:.1f} | {r['peak'] / 2**20:.0f} | {fell:.0f} | "
+              f"{r['recompute']:.3f} |")
     return 0
 
 
