@@ -19,11 +19,11 @@ from checkpointing.plan import BlockPlan
 from checkpointing.policies import Budget, choose_plan, resolve_budget
 from checkpointing.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
+from sharding.fsdp import DTYPES
 from trainer.build import build_llama_on_meta, find_model_blocks
 from trainer.config import Config, Layout, validate
 from trainer.model import lm_loss
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 
 from checkpointing.plan import BlockPlan
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_mesh(mode: str, device_type: str, world_size: int, replicate: int) -> Optional[DeviceMesh]:
@@ -32,8 +32,8 @@ def build_mesh(mode: str, device_type: str, world_size: int, replicate: int) -> 
 
 
 def mixed_precision(param_dtype: Optional[str], reduce_dtype: Optional[str]) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype] if param_dtype else None,
-                                reduce_dtype=_DTYPES[reduce_dtype] if reduce_dtype else None)
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype] if param_dtype else None,
+                                reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None)
 
 
 def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], plan: Sequence[BlockPlan],
