@@ -108,6 +108,7 @@ BAD_INPUTS = [
     (["offload=cpu", "offload.max_host_bytes=0"], "offload.max_host_bytes", 1),
     (["offload=tape"], "offload=tape", 1),
     (["sharding=none", "sharding.cpu_offload=true"], "sharding.cpu_offload", 1),
+    (["train.compile=true", "offload=disk"], "train.compile", 1),
 ]
 
 

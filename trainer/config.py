@@ -276,6 +276,9 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         _require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
     for key in ("offload.max_host_bytes", "offload.max_inflight_bytes"):
         _require(_get(cfg, key) > 0, key, f"must be a positive number of bytes, got {_get(cfg, key)}")
+    _require(not (cfg.train.compile and o.target != "none"), "train.compile",
+             f"true does not combine with offload={o.target} yet (saved-tensor hooks inside "
+             "compiled blocks); set train.compile=false or offload=none")
     if o.target == "disk":
         _check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
     if cfg.sharding.cpu_offload:
