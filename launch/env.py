@@ -7,6 +7,7 @@ store, no ports) so one process and many run the same sharded code.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -77,6 +78,21 @@ def shutdown(clean: bool = True) -> None:
     if dist.is_initialized():
         if clean:
             # A rank that tears down its gloo pairs while a peer still talks to it aborts the
-            # peer ("terminate called without an active exception"); leave together.
+            # peer ("terminate called without an active exception"); leave together. The gloo
+            # barrier can return on one rank while its last message to a peer is in flight, so
+            # the ranks also meet on the store, which does not use those pairs.
             dist.barrier()
+            _meet_on_store(timeout_s=60.0)
         dist.destroy_process_group()
+
+
+def _meet_on_store(timeout_s: float) -> None:
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = "blocktrain/leaving"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
