@@ -7,7 +7,8 @@ Each (policy, offload target) runs as its own `python -m trainer` (or torchrun) 
 overrides. The table shows the median step time (first step excluded) and its ratio to the same
 policy without offload (or to `none` for the no-offload rows), the activation bytes kept on the
 device, the bytes offloaded per micro-batch, the process peak memory (CUDA: max allocated; CPU:
-peak RSS) and how far it fell against no offload, and the profiled recompute time.
+peak RSS) and how far it fell against no offload, and the profiled recompute time. With
+`--repeat R` every figure is the median over R interleaved rounds.
 """
 
 from __future__ import annotations
@@ -48,22 +49,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over all rows, interleaved; figures are medians over rounds")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--targets", default="none", help="offload targets, e.g. none,disk")
     args, overrides = parser.parse_known_args(argv)
-    rows = {}
+    if args.repeat < 1 or args.steps < 2:
+        parser.error("--repeat must be >= 1 and --steps >= 2 (the first step is not timed)")
+    keys = [(p, t) for p in args.policies.split(",") for t in args.targets.split(",")]
+    rounds: dict[tuple[str, str], list[dict]] = {key: [] for key in keys}
     with tempfile.TemporaryDirectory() as out:
-        for policy in args.policies.split(","):
-            for target in args.targets.split(","):
-                logged = run_policy(policy, target, overrides, args.steps, args.nproc, out)
-                rows[policy, target] = {
+        # Rounds over all rows rather than row after row: a slow spell of a shared machine then
+        # lands on every row alike instead of on whichever row ran during it.
+        for round in range(args.repeat):
+            for policy, target in keys:
+                logged = run_policy(policy, target, overrides, args.steps, args.nproc,
+                                    os.path.join(out, str(round)))
+                rounds[policy, target].append({
                     "step": statistics.median(m["step_time_s"] for m in logged[1:]),
                     "saved": max(m["act_saved_bytes"] for m in logged),
                     "offloaded": max(m.get("offloaded_bytes", 0) for m in logged),
                     "peak": max(m["peak_mem_bytes"] for m in logged),
-                    "recompute": logged[-1].get("recompute_s", 0.0)}
+                    "recompute": logged[-1].get("recompute_s", 0.0)})
+    rows = {key: {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+            for key, runs in rounds.items()}
     print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
           f"nproc {args.nproc}: python -m checkpointing.bench --steps {args.steps} "
+          f"--repeat {args.repeat} "
           f"--policies {args.policies} --targets {args.targets} " + " ".join(overrides))
     print("| policy | offload | step s | x base | act on device MiB | offloaded MiB | "
           "peak mem MiB | peak fell by MiB | recompute s (profiled) |")

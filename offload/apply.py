@@ -26,7 +26,8 @@ log = logging.getLogger("trainer")
 
 
 def build_offloader(target: str, device: torch.device, min_bytes: int, max_host_bytes: int,
-                    directory: str, max_inflight_bytes: int, is_main: bool) -> Optional[Offloader]:
+                    directory: str, max_inflight_bytes: int, is_main: bool,
+                    trim_heap: bool = False) -> Optional[Offloader]:
     if target == "none":
         return None
     if target == "cpu":
@@ -35,7 +36,7 @@ def build_offloader(target: str, device: torch.device, min_bytes: int, max_host_
             log.warning(NOTHING_TO_MOVE + " (the hooks still run)")
     else:
         # One folder per rank under offload.dir; the store adds a per-process subfolder.
-        store = DiskStore(directory, device, max_inflight_bytes)
+        store = DiskStore(directory, device, max_inflight_bytes, trim_heap=trim_heap)
         if is_main:
             log.info("offload.target=disk: saved activations go to %s", directory)
     return Offloader(store, min_bytes)

@@ -11,6 +11,10 @@ freed (on the CPU that is the point: resident memory goes down). A reader thread
 order `prefetch` asks, i.e. one block ahead of backward; files are deleted as soon as their data is
 back. On CUDA both threads go through two pinned staging buffers each (chunk by chunk, the copy of
 one chunk overlapping the file I/O of the other), so pinned memory stays at 4 x chunk_bytes.
+
+On the CPU, data comes back as a private mapping of its file (see `_map_private`), and with
+`trim_heap` the heap's free pages go back to the system when backward starts (`offload.heap`):
+without both, resident memory stays at its high-water mark whatever was offloaded.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor
 from offload.cuda import (Copier, CudaCopier, Event, HoldUntil, copy_in_staged,
                           copy_out_staged)
 from offload.engine import OffloadError, resolve_device
+from offload.heap import release_free_heap
 
 FOLDER_PREFIX = "blocktrain-offload-"
 
@@ -96,6 +101,20 @@ def _read_into(file, data: Tensor) -> None:
         view = view[count:]
 
 
+def _map_private(path: str, nbytes: int) -> Tensor:
+    """The file's bytes as a copy-on-write mapping, its pages faulted in here (the reader thread).
+
+    Mapping instead of reading into a fresh allocation saves a copy, and, more to the point on
+    the CPU, the memory goes back to the system the moment autograd drops the tensor: a heap
+    allocation would stay in the allocator's arena and keep resident memory at its high-water
+    mark. Deleting the file while it is mapped is fine; the pages live until unmapped.
+    """
+    restored = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    if nbytes:
+        restored[::4096].sum()  # one read per page: backward finds them resident
+    return restored
+
+
 class _DiskTicket:
     __slots__ = ("nbytes", "path", "source", "ready", "writing", "on_disk", "released",
                  "restored", "restored_ready", "read_queued", "reading", "consumer", "error")
@@ -118,12 +137,14 @@ class DiskStore:
 
     device: the compute device. max_inflight_bytes: bytes queued for writing before `put` blocks.
     copier: how bytes reach host memory on a device (default: CUDA side streams); None on CPU.
-    chunk_bytes: size of each pinned staging buffer (device only). before_write: run on the
-    writer thread before each file (tests inject delays or failures through it).
+    chunk_bytes: size of each pinned staging buffer (device only). trim_heap (CPU only): give the
+    heap's free pages back to the system once per micro-batch, when backward starts. before_write:
+    run on the writer thread before each file (tests inject delays or failures through it).
     """
 
-    def __init__(self, dir: str, device: torch.device | str, max_inflight_bytes: int = 1 << 30,
+    def __init__(self, dir: str, device: torch.device | str, max_inflight_bytes: int = 256 << 20,
                  copier: Optional[Copier] = None, chunk_bytes: int = 64 << 20,
+                 trim_heap: bool = False,
                  side_stream_delay: Optional[Callable[[], None]] = None,
                  before_write: Optional[Callable[[], None]] = None) -> None:
         self.device = resolve_device(device)
@@ -133,6 +154,8 @@ class DiskStore:
         self.moves_data = True
         self.max_inflight_bytes, self.chunk_bytes = max_inflight_bytes, chunk_bytes
         self._before_write = before_write
+        self.trim_heap = trim_heap and self._copier is None
+        self.heap_trims = 0
         check_writable(dir, 0)
         self.removed_stale = cleanup_stale(dir)
         self.folder = os.path.join(dir, f"{FOLDER_PREFIX}{host_tag()}-{os.getpid()}-"
@@ -206,6 +229,12 @@ class DiskStore:
 
     def poll(self) -> None:
         self._holds.reap()
+
+    def backward_started(self) -> None:
+        # Forward's offloaded activations have been freed into the heap by now (a bounded
+        # amount may still wait for the writer); backward must not stack its memory on top.
+        if self.trim_heap and release_free_heap():
+            self.heap_trims += 1
 
     def flush(self) -> None:
         """Wait until everything queued has been written."""
@@ -379,11 +408,9 @@ class DiskStore:
 
     def _read(self, ticket: _DiskTicket, staging: list[Tensor],
               in_use: list[Optional[Event]]) -> tuple[Tensor, Optional[Event]]:
+        if self._copier is None:
+            return _map_private(ticket.path, ticket.nbytes), None
         with open(ticket.path, "rb", buffering=0) as file:
-            if self._copier is None:
-                restored = torch.empty(ticket.nbytes, dtype=torch.uint8)
-                _read_into(file, restored)
-                return restored, None
             restored, allocated = self._copier.allocate_device(ticket.nbytes, ticket.consumer)
             done = copy_in_staged(self._copier, restored, allocated, staging, in_use,
                                   self.chunk_bytes, functools.partial(_read_into, file))

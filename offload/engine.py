@@ -57,6 +57,7 @@ class Store(Protocol):
     def get(self, ticket: Any) -> Tensor: ...
     def release(self, ticket: Any) -> None: ...
     def poll(self) -> None: ...
+    def backward_started(self) -> None: ...  # once per micro-batch, at its first unpack
     def end_step(self) -> None: ...
     def close(self) -> None: ...
 
@@ -311,6 +312,8 @@ class Offloader:
         """First unpack of a block: bring back the rest of it, and the block backward needs next."""
         if group in self._started:
             return
+        if not self._started:
+            self.store.backward_started()
         self._started.add(group)
         self._fetch(group)
         order = list(self._groups)

@@ -123,6 +123,9 @@ class CpuStore:
     def poll(self) -> None:
         self._holds.reap()
 
+    def backward_started(self) -> None:
+        pass  # pinned pool slots are reused as they are; nothing to hand back
+
     def end_step(self) -> None:
         self._holds.drain()
         self._group_bytes.clear()

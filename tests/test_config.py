@@ -60,7 +60,7 @@ def test_config_keys_are_frozen() -> None:
         "checkpointing.policy", "checkpointing.every", "checkpointing.save_ops",
         "checkpointing.budget", "checkpointing.profile_repeats",
         "offload.target", "offload.min_bytes", "offload.keep_last", "offload.max_host_bytes",
-        "offload.dir", "offload.max_inflight_bytes",
+        "offload.dir", "offload.max_inflight_bytes", "offload.trim_heap",
         "logging.every", "logging.progress", "logging.wandb", "logging.wandb_project",
         "logging.wandb_entity", "logging.wandb_init_timeout_s",
     }

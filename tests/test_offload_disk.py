@@ -13,6 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload.disk import FOLDER_PREFIX, DiskStore, check_writable, host_tag
 from offload.engine import OffloadError, Offloader
+from offload.heap import can_release, release_free_heap
 from tests.test_offload_engine import MIN_BYTES, Toy, batch, wrap_blocks
 
 
@@ -128,3 +129,53 @@ def test_failed_write_is_a_clear_error(tmp_path) -> None:
         with pytest.raises(OffloadError, match=message):
             model(batch(1))  # the first save of the next step fails at once
     assert os.listdir(tmp_path) == []
+
+
+def _mapped(path_part: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(path_part in line for line in f)
+
+
+def test_cpu_restore_is_a_file_mapping_unmapped_when_released(tmp_path) -> None:
+    # Restored data must not come out of the heap: freed heap memory stays resident.
+    store = DiskStore(str(tmp_path), "cpu")
+    data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+    with store:
+        ticket = store.put(data.clone(), group=0)
+        store.flush()
+        restored = store.get(ticket)
+        assert torch.equal(restored, data)
+        assert _mapped(store.folder) and os.listdir(store.folder) == []  # mapped, file unlinked
+        store.release(ticket)
+        del restored
+        store.end_step()
+        assert not _mapped(store.folder)
+
+
+def test_heap_is_trimmed_once_per_micro_batch_as_backward_starts(tmp_path) -> None:
+    store = DiskStore(str(tmp_path), "cpu", trim_heap=True)
+    offloader = Offloader(store, MIN_BYTES)
+    torch.manual_seed(0)
+    model = Toy()
+    wrap_blocks(model.blocks, offloader, recompute=False)
+    with offloader:
+        for step in range(2):
+            offloader.begin_step()
+            model(batch(step)).backward()
+            offloader.end_step()
+    assert store.heap_trims == (2 if can_release() else 0)
+    assert store.bytes_read > 0 and os.listdir(tmp_path) == []
+
+
+def test_trim_gives_freed_heap_pages_back() -> None:
+    if not can_release():
+        pytest.skip("the C library has no malloc_trim (not glibc)")
+    # 64 KiB tensors sit in the heap (under glibc's mmap threshold); keeping every 8th pins the
+    # heap's top, so freeing the others leaves holes glibc will not return by itself.
+    tensors = [torch.ones(16 << 10) for _ in range(2048)]  # 128 MiB
+    keep = tensors[7::8]
+    del tensors
+    before = _rss_bytes()
+    assert release_free_heap()
+    assert before - _rss_bytes() > 32 << 20
+    assert all(float(t[0]) == 1.0 for t in keep)

@@ -176,7 +176,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
                         meter=None if cfg.train.compile else meter)
     offloader = build_offloader(o.target, denv.device, o.min_bytes, o.max_host_bytes,
                                 offload_dir(o.dir, run_dir, denv.rank),
-                                o.max_inflight_bytes, denv.is_main)
+                                o.max_inflight_bytes, denv.is_main, o.trim_heap)
     apply_offload(blocks, plan, offloader, meter)
     if cfg.train.compile:
         for block in blocks:

@@ -122,7 +122,8 @@ class OffloadConfig:
     keep_last: int = 1  # the last blocks run backward first: keep theirs on the device
     max_host_bytes: int = 8 << 30  # cpu on CUDA: bound of the reused pinned host pool
     dir: Optional[str] = None  # disk: folder for the files; null = <run dir>/offload
-    max_inflight_bytes: int = 1 << 30  # disk: bytes waiting to be written before forward waits
+    max_inflight_bytes: int = 256 << 20  # disk: bytes waiting to be written before forward waits
+    trim_heap: bool = True  # disk on CPU: free heap pages go back to the system as backward starts
 
 
 @dataclass
