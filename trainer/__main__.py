@@ -32,12 +32,18 @@ def _run(cfg: DictConfig) -> None:
 
     from checkpointing.policies import BudgetError
     from trainer.loop import train
+    from trainer.state import CheckpointError
 
     try:
-        train(config, layout, run_dir=HydraConfig.get().runtime.output_dir)
+        status = train(config, layout, run_dir=HydraConfig.get().runtime.output_dir)
     except BudgetError as exc:  # known only after profiling the blocks on the device
         cli.report(ConfigError("checkpointing.budget", str(exc)))
         cli.exit_after_error()
+    except CheckpointError as exc:  # known only once the checkpoint meets the built model
+        cli.report(ConfigError("save.resume", str(exc)))
+        cli.exit_after_error()
+    if status:
+        sys.exit(status)  # preempted after saving: the launcher may run it again
 
 
 def main() -> None:

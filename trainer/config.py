@@ -90,6 +90,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile each block (after its checkpoint wrapper)
     dist_timeout_s: int = 600
+    # End this process after this step, saving first, as a preemption would (exit status
+    # save.preempt_exit_code); started again, the run continues. For time-sliced jobs and drills.
+    stop_at_step: Optional[int] = None
 
 
 @dataclass
@@ -137,6 +140,35 @@ class LoggingConfig:
 
 
 @dataclass
+class SaveConfig:
+    """Training-state checkpoints (model, optimizer, schedule, data position, RNG): trainer/state.py."""
+
+    every: int = 100  # save after every N optimizer steps; 0: only at the end and on preemption
+    keep: int = 2  # committed checkpoints kept; older ones go once a newer one is committed
+    async_save: bool = False  # write in a thread after copying the state to CPU memory
+    at_end: bool = True  # also save after the last step
+    resume: bool = True  # a run starting in a folder with checkpoints continues from the newest
+    dir: Optional[str] = None  # null = <run dir>/checkpoints
+    signal: Optional[str] = "SIGUSR1"  # besides SIGTERM: finish the step, save, exit
+    preempt_exit_code: int = 75  # exit status after a preemption save (EX_TEMPFAIL: run me again)
+
+
+@dataclass
+class FaultsConfig:
+    """Bad steps: skipped, and rolled back to the last checkpoint when they persist."""
+
+    skip_nonfinite: bool = True  # a NaN/inf loss or gradient norm skips the update
+    max_bad_steps: int = 3  # this many skipped steps in a row roll back to the last checkpoint
+    spike_factor: float = 4.0  # loss above this x the recent median rolls back; 0 turns it off
+    spike_window: int = 50  # recent good steps the median is taken over
+    max_rollbacks: int = 5  # more rollbacks than this in one run stop it
+    # Drills and tests: faults injected at these data-batch indices (0-based).
+    inject_nan_at: List[int] = field(default_factory=list)
+    inject_spike_at: List[int] = field(default_factory=list)
+    inject_hang_at: List[int] = field(default_factory=list)  # the last rank stalls there
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -145,6 +177,8 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -162,6 +196,10 @@ CHOICES = {
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget"),
     "offload.target": ("none", "cpu", "disk"),
 }
+
+
+# Signals a launcher may send ahead of a time limit (SIGTERM is always handled).
+SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGTERM")
 
 
 @dataclass(frozen=True)
@@ -282,6 +320,21 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
              "compiled blocks); set train.compile=false or offload=none")
     if o.target == "disk":
         _check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
+    _require(cfg.train.stop_at_step is None or 0 < cfg.train.stop_at_step, "train.stop_at_step",
+             f"must be null or a positive step, got {cfg.train.stop_at_step}")
+    sv, f = cfg.save, cfg.faults
+    for key in ("save.every", "faults.max_rollbacks"):
+        _require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
+    for key in ("save.keep", "faults.max_bad_steps", "faults.spike_window"):
+        _require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
+    _require(f.spike_factor == 0 or f.spike_factor > 1, "faults.spike_factor",
+             f"must be 0 (off) or above 1, got {f.spike_factor}")
+    _require(sv.signal is None or sv.signal in SIGNALS, "save.signal",
+             f"got {sv.signal!r}; choose null or one of {', '.join(SIGNALS)}")
+    _require(0 < sv.preempt_exit_code < 256, "save.preempt_exit_code",
+             f"must be an exit status 1..255, got {sv.preempt_exit_code}")
+    if sv.dir is not None:
+        _check_writable(sv.dir, "save.dir")
     if cfg.sharding.cpu_offload:
         _require(cfg.sharding.mode != "none", "sharding.cpu_offload",
                  "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")

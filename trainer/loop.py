@@ -1,16 +1,18 @@
 """The training run: set up once, then a loop whose step reads top to bottom.
 
-Eval, logging and (later) state saving sit outside `train_step` behind "every N steps" guards.
+Eval, logging and state saving sit outside `train_step` behind "every N steps" guards; resume,
+rollback and fault handling live in trainer/resume.py, trainer/state.py and trainer/faults.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,8 +29,12 @@ from trainer.build import Built, build_model, llama_args
 from trainer.config import Config, Layout
 from trainer.data import build_datasets, train_batch, val_batches
 from trainer.model import flops_per_token, lm_loss
+from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
+                            injected_loss, is_collective_failure, name_failure, step_vote)
 from trainer.metrics import RunLogger, peak_flops, peak_memory_bytes
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from trainer.resume import Progress, resume, rollback, train_state
+from trainer.state import Checkpointer
 
 log = logging.getLogger("trainer")
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -36,22 +42,30 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: Sequence[Batch], grad_clip: float, meter: SavedBytesMeter,
-               offloader: Optional[Offloader]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm)."""
+               offloader: Optional[Offloader], guard: LossGuard,
+               loss_fn: LossFn = lm_loss) -> tuple[float, torch.Tensor, Verdict]:
+    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, verdict).
+
+    The update is applied only if the guard accepts the step; it judges the loss averaged over
+    ranks and the global gradient norm, so every rank decides the same.
+    """
     total_loss = torch.zeros((), device=micro_batches[0][0].device)
     for i, (inputs, targets) in enumerate(micro_batches):
         # Cross-rank reduction is deferred to the last micro-batch where that saves traffic.
         set_grad_sync(model, i == len(micro_batches) - 1)
         with offload_micro_batch(offloader):  # planned blocks' activations leave the device
             with meter.measure():  # counts what this forward keeps on the device for backward
-                loss = lm_loss(model, inputs, targets) / len(micro_batches)
+                loss = loss_fn(model, inputs, targets) / len(micro_batches)
             loss.backward()
         total_loss += loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
-    optimizer.step()
-    scheduler.step()
+    loss_value = mean_over_ranks(total_loss)
+    verdict = guard.judge(loss_value, grad_norm.item())
+    if verdict.ok:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return total_loss, grad_norm
+    return loss_value, grad_norm, verdict
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -77,18 +91,20 @@ def _to(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
     return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
 
 
-def train(cfg: Config, layout: Layout, run_dir: str) -> None:
+def train(cfg: Config, layout: Layout, run_dir: str) -> int:
+    """The whole run on this rank; returns the exit status (0, or save.preempt_exit_code)."""
     denv = read_env(cfg.train.device)
     init_distributed(denv, cfg.train.dist_timeout_s)
     try:
-        _train(cfg, layout, run_dir, denv)
+        status = _train(cfg, layout, run_dir, denv)
     except BaseException:
         shutdown(clean=False)
         raise
     shutdown()
+    return status
 
 
-def _start_logging(cfg: Config, denv: DistEnv, run_dir: str) -> RunLogger:
+def _start_logging(cfg: Config, denv: DistEnv, run_dir: str, first_step: int) -> RunLogger:
     if not denv.is_main:
         return RunLogger(None, cfg.train.steps, progress=False)
     wandb_run = None
@@ -98,26 +114,47 @@ def _start_logging(cfg: Config, denv: DistEnv, run_dir: str) -> RunLogger:
         wandb_run = WandbLogger.start(run_dir, dataclasses.asdict(cfg), cfg.logging.wandb_project,
                                       cfg.logging.wandb_entity, os.path.basename(run_dir),
                                       cfg.logging.wandb_init_timeout_s)
-    return RunLogger(run_dir, cfg.train.steps, cfg.logging.progress, wandb_run)
+    return RunLogger(run_dir, cfg.train.steps, cfg.logging.progress, wandb_run, first_step)
 
 
-def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
+@contextlib.contextmanager
+def _collectives(rank: int, operation: str, timeout_s: int) -> Iterator[None]:
+    """A timed-out or broken collective inside says which rank and which operation."""
+    try:
+        yield
+    except CollectiveFailure:
+        raise
+    except Exception as error:
+        if is_collective_failure(error):
+            raise name_failure(error, rank, operation, timeout_s) from error
+        raise
+
+
+def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
     t, device = cfg.train, denv.device
     # Dropout masks differ per rank (as their data does) but repeat run to run.
     torch.manual_seed(t.seed + denv.rank)
 
     meter = SavedBytesMeter()
     built = build_model(cfg, denv, layout.replicate, meter, run_dir)
+    checkpointer = Checkpointer(cfg.save.dir or os.path.join(run_dir, "checkpoints"),
+                                cfg.save.keep, cfg.save.async_save, denv.rank, denv.world_size,
+                                device)
+    preemption = PreemptionSignal(cfg.save.signal)
     try:
-        _run(cfg, layout, run_dir, denv, built, meter)
+        status = _run(cfg, layout, run_dir, denv, built, meter, checkpointer, preemption)
+        checkpointer.close()  # an async save still being written is committed before exit
+        return status
     finally:
+        preemption.restore()
         # Joins its threads; no file outlives the run, also when it failed.
         close_offloader(built.offloader, own_parent=cfg.offload.dir is None)
 
 
 def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
-         meter: SavedBytesMeter) -> None:
-    t, device = cfg.train, denv.device
+         meter: SavedBytesMeter, checkpointer: Checkpointer,
+         preemption: PreemptionSignal) -> int:
+    t, f, device = cfg.train, cfg.faults, denv.device
     model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
@@ -128,10 +165,15 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     val_data = _to(val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
                                denv.world_size), device)
 
-    logger = _start_logging(cfg, denv, run_dir)
+    progress, resumed = Progress(), None
+    if cfg.save.resume:
+        resumed = resume(checkpointer, model, optimizer, scheduler, layout, cfg, denv.rank)
+        if resumed is not None:
+            progress = resumed[0]
+    logger = _start_logging(cfg, denv, run_dir, progress.step)
     if denv.is_main:
-        with open(os.path.join(run_dir, "plan.json"), "w") as f:
-            f.write(plan_to_json(plan))
+        with open(os.path.join(run_dir, "plan.json"), "w") as f_plan:
+            f_plan.write(plan_to_json(plan))
         logger.plan(plan_table(plan, built.profiles), plan_rows(plan, built.profiles))
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x "
@@ -151,23 +193,45 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     if built.profiles is not None:  # profiled seconds the plan adds, for all micro-batches
         recompute_s = added_seconds(plan, built.profiles) * layout.grad_accum
 
-    logger.record({"step": 0, "val_loss": evaluate(model, val_data)})
-    for step in range(1, t.steps + 1):
+    def save(step: int) -> None:
+        with _collectives(denv.rank, f"saving the checkpoint of step {step}", t.dist_timeout_s):
+            checkpointer.save(step, model, optimizer,
+                              train_state(progress, scheduler, layout, cfg, run_dir))
+
+    if resumed is not None:
+        logger.info(resumed[1])
+    else:
+        logger.record({"step": 0, "val_loss": evaluate(model, val_data)})
+    guard = LossGuard(f.skip_nonfinite, f.max_bad_steps, f.spike_factor, f.spike_window)
+    while progress.step < t.steps:
+        step = progress.step + 1
         started = time.perf_counter()  # the step's time includes reading its batch
-        micro_batches = _to(train_batch(train_set, step - 1, t.micro_batch_size, layout.grad_accum,
-                                        denv.rank, denv.world_size, t.seed), device)
+        micro_batches = _to(train_batch(train_set, progress.batch_index, t.micro_batch_size,
+                                        layout.grad_accum, denv.rank, denv.world_size, t.seed),
+                            device)
+        loss_fn = injected_loss(progress.batch_index, f.inject_nan_at, f.inject_spike_at,
+                                f.inject_hang_at, 2.0 * t.dist_timeout_s, denv.rank,
+                                denv.world_size)
         lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches,
-                                     cfg.optim.grad_clip, meter, built.offloader)
-        loss_value = mean_over_ranks(loss)  # also waits for the step to finish
+        with _collectives(denv.rank, f"step {step} (forward, backward, gradient reduction)",
+                          t.dist_timeout_s):
+            loss, grad_norm, verdict = train_step(model, optimizer, scheduler, micro_batches,
+                                                  cfg.optim.grad_clip, meter, built.offloader,
+                                                  guard, loss_fn)
+        progress.batch_index += 1
+        if not verdict.ok:
+            progress = _bad_step(verdict, step, progress, checkpointer, model, optimizer,
+                                 scheduler, guard, logger, f.max_rollbacks)
+            continue
+        progress.step, progress.tokens_seen = step, progress.tokens_seen + tokens_per_step
         step_time = time.perf_counter() - started
         tokens_per_s = tokens_per_step / step_time
-        logger.step(step, loss_value, tokens_per_s)
+        logger.step(step, loss, tokens_per_s)
 
         if step % cfg.logging.every == 0 or step == t.steps:
-            metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                        "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                       "tokens_seen": step * tokens_per_step,
+                       "tokens_seen": progress.tokens_seen,
                        "peak_mem_bytes": peak_memory_bytes(device),
                        "act_saved_bytes": meter.peak}
             meter.reset_peak()
@@ -177,8 +241,57 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                 metrics["offloaded_bytes"] = built.offloader.stats.offloaded_bytes
             if peak is not None:
                 metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
-            logger.record(metrics)
+            logger.record(metrics, wandb_step=progress.batch_index)
         if step % t.eval_every == 0 or step == t.steps:
-            logger.record({"step": step, "val_loss": evaluate(model, val_data)})
-    logger.close()
+            logger.record({"step": step, "val_loss": evaluate(model, val_data)},
+                          wandb_step=progress.batch_index)
+        with _collectives(denv.rank, f"the end-of-step vote of step {step}", t.dist_timeout_s):
+            stop, saved = step_vote([preemption.received is not None, checkpointer.local_done()],
+                                    device)
+            checkpointer.poll(saved)
+        stop_reason = preemption.received or ("another rank's signal" if stop else None)
+        if step == t.stop_at_step and step < t.steps:
+            stop, stop_reason = True, "train.stop_at_step"
 
+        every = cfg.save.every and step % cfg.save.every == 0
+        if stop or every or (step == t.steps and cfg.save.at_end):
+            save(step)
+        if stop:
+            checkpointer.wait()
+            logger.info(f"stopping ({stop_reason}): saved step "
+                        f"{step}; exiting with status {cfg.save.preempt_exit_code} "
+                        "(start the same run again to continue)")
+            logger.close()
+            return cfg.save.preempt_exit_code
+    logger.close()
+    return 0
+
+
+def _bad_step(verdict: Verdict, step: int, progress: Progress, checkpointer: Checkpointer,
+              model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: LossGuard,
+              logger: RunLogger, max_rollbacks: int) -> Progress:
+    """A step the guard refused: count it; roll back if it asked and a checkpoint exists."""
+    progress.skipped_steps += 1
+    logger.record({"step": step, "skipped_step": 1, "skipped_steps": progress.skipped_steps,
+                   "reason": verdict.reason}, wandb_step=progress.batch_index)
+    if not verdict.rollback:
+        return progress
+    if progress.rollbacks >= max_rollbacks:
+        raise RuntimeError(f"faults.max_rollbacks: {max_rollbacks} rollbacks already, and again "
+                           f"{verdict.reason} at step {step}; lower optim.lr or inspect the data")
+    restored = rollback(checkpointer, model, optimizer, scheduler, progress)
+    if restored is None:
+        if guard.bad_in_a_row >= guard.max_bad:
+            raise RuntimeError(f"faults.max_bad_steps: {guard.bad_in_a_row} bad steps in a row "
+                               f"({verdict.reason}) and no checkpoint to roll back to; lower "
+                               "optim.lr, or save earlier with save.every")
+        logger.info(f"step {step}: {verdict.reason}; no checkpoint to roll back to, the update "
+                    "was skipped")
+        return progress
+    guard.reset()
+    logger.record({"step": restored.step, "rollback_from_step": step,
+                   "rollbacks": restored.rollbacks, "reason": verdict.reason},
+                  wandb_step=progress.batch_index)
+    logger.info(f"rolled back from step {step} to the checkpoint of step {restored.step} "
+                f"({verdict.reason}); the batches read since are skipped")
+    return restored

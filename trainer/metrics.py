@@ -67,8 +67,12 @@ class RunLogger:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
 
-    def record(self, metrics: dict, console: bool = True) -> None:
-        """A logged step: one JSON line (floats exact), a console line, and W&B."""
+    def record(self, metrics: dict, console: bool = True, wandb_step: Optional[int] = None) -> None:
+        """A logged step: one JSON line (floats exact), a console line, and W&B.
+
+        wandb_step: W&B's x axis, which must only grow; after a rollback the optimizer step goes
+        back, so the loop passes the number of batches read instead.
+        """
         if not self.enabled:
             return
         self._file.write(json.dumps(metrics) + "\n")
@@ -79,7 +83,10 @@ class RunLogger:
             else:
                 log.info(line)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+            logged = {k: v for k, v in metrics.items() if k != "step"}
+            if wandb_step is not None:
+                logged["opt_step"] = metrics["step"]
+            self.wandb.log(logged, step=metrics["step"] if wandb_step is None else wandb_step)
 
     def plan(self, table: str, rows: list[dict]) -> None:
         """The per-block plan: printed once at start and kept in W&B as a table."""

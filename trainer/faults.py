@@ -1,0 +1,133 @@
+"""Surviving faults: preemption signals, bad steps (NaN/inf, loss spikes), stuck collectives.
+
+Decisions that change what every rank does next (stop, skip, roll back) are taken from values
+that are identical on all ranks: the all-reduced loss, the global gradient norm, and a per-step
+vote (`StepVote`) of the flags each rank saw. No rank ever acts on a local flag alone.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.model import lm_loss
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PreemptionSignal:
+    """Remembers that SIGTERM or `extra` (e.g. "SIGUSR1") arrived; the loop acts on it at the
+    next step boundary. The handlers only set a flag: a signal mid-collective must not unwind it."""
+
+    def __init__(self, extra: Optional[str]) -> None:
+        self.received: Optional[str] = None
+        self._previous = {}
+        names = ["SIGTERM"] + ([extra] if extra and extra != "SIGTERM" else [])
+        for name in names:
+            number = getattr(signal, name)
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def _handle(self, number: int, frame: object) -> None:
+        self.received = signal.Signals(number).name
+
+    def restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+
+def step_vote(flags: Sequence[bool], device: torch.device) -> list[bool]:
+    """Per flag: did any rank raise it (index 0..) — except the last, which asks whether all did.
+
+    One small all-reduce per step; by convention the last flag is "my async save is finished"
+    (committed only when every rank's is).
+    """
+    votes = torch.tensor([int(f) for f in flags[:-1]] + [int(not flags[-1])], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(votes)
+    any_flags = [bool(v) for v in votes[:-1].tolist()]
+    return any_flags + [votes[-1].item() == 0]
+
+
+@dataclass
+class Verdict:
+    ok: bool  # apply the update
+    rollback: bool = False  # go back to the last checkpoint
+    reason: str = ""
+
+
+class LossGuard:
+    """Skips non-finite steps, asks for a rollback after `max_bad` in a row or a loss spike.
+
+    A spike is a loss above `spike_factor` x the median of the last `window` good losses, once at
+    least `min_history` are known (early losses fall fast and say nothing about spikes).
+    """
+
+    def __init__(self, skip_nonfinite: bool, max_bad: int, spike_factor: float, window: int,
+                 min_history: int = 10) -> None:
+        self.skip_nonfinite, self.max_bad = skip_nonfinite, max_bad
+        self.spike_factor, self.min_history = spike_factor, min(min_history, window)
+        self.history: deque[float] = deque(maxlen=window)
+        self.bad_in_a_row = 0
+        self.bad_total = 0
+
+    def judge(self, loss: float, grad_norm: float) -> Verdict:
+        finite = torch.isfinite(torch.tensor([loss, grad_norm])).all().item()
+        if not finite:
+            if not self.skip_nonfinite:
+                return Verdict(True)
+            self.bad_in_a_row += 1
+            self.bad_total += 1
+            reason = f"loss {loss} / grad norm {grad_norm} not finite"
+            return Verdict(False, self.bad_in_a_row >= self.max_bad, reason)
+        self.bad_in_a_row = 0
+        if (self.spike_factor > 0 and len(self.history) >= self.min_history
+                and loss > self.spike_factor * statistics.median(self.history)):
+            median = statistics.median(self.history)
+            return Verdict(False, True, f"loss {loss:.4g} > {self.spike_factor} x median "
+                                        f"{median:.4g} of the last {len(self.history)} steps")
+        self.history.append(loss)
+        return Verdict(True)
+
+    def reset(self) -> None:
+        """After a rollback: the history belonged to the abandoned trajectory's tail."""
+        self.bad_in_a_row = 0
+
+
+def injected_loss(batch_index: int, nan_at: Sequence[int], spike_at: Sequence[int],
+                  hang_at: Sequence[int], hang_s: float, rank: int, world_size: int) -> LossFn:
+    """The loss to use for this batch: lm_loss, or a fault injected for tests and drills."""
+    if batch_index in hang_at and rank == world_size - 1:
+        time.sleep(hang_s)  # the other ranks' next collective must time out, naming itself
+    if batch_index in nan_at:
+        return lambda model, x, y: lm_loss(model, x, y) * float("nan")
+    if batch_index in spike_at:
+        return lambda model, x, y: lm_loss(model, x, y) * 100.0
+    return lm_loss
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message names the rank and the operation."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("timed out", "timeout", "connection closed", "connection reset",
+                                  "broken pipe", "socket"))
+
+
+def name_failure(error: BaseException, rank: int, operation: str,
+                 timeout_s: int) -> CollectiveFailure:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveFailure(
+        f"rank {rank}: {operation} failed waiting for the other ranks (timeout "
+        f"train.dist_timeout_s={timeout_s}): {first_line}")

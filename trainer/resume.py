@@ -1,0 +1,106 @@
+"""Where a run stands (`Progress`), and getting back there: resume at start, rollback mid-run.
+
+The data position is one number, the index of the next global batch: every rank derives its share
+of a global batch from it (trainer/data.py), and a global batch does not depend on how it is split
+over ranks and micro-batches. So a checkpoint written by 2 ranks resumes on 1 (or 4) reading
+exactly the data the original run would have read, as long as the global batch size and the
+sequence length are unchanged. What does change with the world size is dropout: each rank has its
+own generator, and a rank that did not exist when the checkpoint was written starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from trainer.config import Config, Layout
+from trainer.state import Checkpointer, Loaded
+from trainer.wandb_log import RUN_ID_FILE
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps applied
+    batch_index: int = 0  # global batches read so far, skipped and rolled-back ones included
+    tokens_seen: int = 0  # tokens of the applied steps
+    skipped_steps: int = 0
+    rollbacks: int = 0
+
+
+def train_state(progress: Progress, scheduler, layout: Layout, cfg: Config,
+                run_dir: str) -> dict[str, Any]:
+    """Everything but model and optimizer that a checkpoint holds (JSON)."""
+    wandb_id = None
+    if os.path.exists(os.path.join(run_dir, RUN_ID_FILE)):
+        with open(os.path.join(run_dir, RUN_ID_FILE)) as f:
+            wandb_id = f.read().strip()
+    return {"progress": dataclasses.asdict(progress), "scheduler": scheduler.state_dict(),
+            "world_size": layout.world_size, "global_batch_size": layout.global_batch_size,
+            "seq_len": cfg.data.seq_len, "data_seed": cfg.train.seed,
+            "wandb_run_id": wandb_id, "config": dataclasses.asdict(cfg)}
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def _restore(loaded: Loaded, scheduler) -> Progress:
+    scheduler.load_state_dict(loaded.state["scheduler"])
+    return Progress(**loaded.state["progress"])
+
+
+def resume(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer,
+           scheduler, layout: Layout, cfg: Config, rank: int) -> Optional[tuple[Progress, str]]:
+    """Load the newest intact checkpoint, if any: (progress, one line saying what happened)."""
+    loaded = checkpointer.load_latest(model, optimizer)
+    if loaded is None:
+        return None
+    progress = _restore(loaded, scheduler)
+    state = loaded.state
+    notes = [f"resumed from {loaded.path} (step {progress.step}, batch {progress.batch_index})"]
+    if not loaded.rng_restored:
+        # Deterministic, but not what an uninterrupted run would have drawn.
+        torch.manual_seed(cfg.train.seed + rank + 1_000_003 * progress.step)
+    if state["world_size"] != layout.world_size:
+        notes.append(f"saved by {state['world_size']} ranks, resumed on {layout.world_size}: "
+                     "model and optimizer are exact, the data order is unchanged, dropout masks "
+                     "differ from an uninterrupted run")
+    if (state["global_batch_size"], state["seq_len"]) != (layout.global_batch_size,
+                                                          cfg.data.seq_len):
+        notes.append(f"global batch {state['global_batch_size']} x {state['seq_len']} tokens "
+                     f"became {layout.global_batch_size} x {cfg.data.seq_len}: the data order "
+                     "from here differs from the original run's")
+    saved, now = _flat(state["config"]), _flat(dataclasses.asdict(cfg))
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if changed:
+        notes.append("config changed since the save: " + ", ".join(
+            f"{k}={saved.get(k)!r}->{now.get(k)!r}" for k in changed))
+    return progress, "; ".join(notes)
+
+
+def rollback(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler, progress: Progress) -> Optional[Progress]:
+    """Back to the last committed checkpoint, keeping the data position (the batches read since
+    are skipped: they led here). None when there is no checkpoint to go back to."""
+    checkpointer.wait()
+    loaded = checkpointer.load_latest(model, optimizer)
+    if loaded is None:
+        return None
+    restored = _restore(loaded, scheduler)
+    restored.batch_index = progress.batch_index
+    restored.skipped_steps = progress.skipped_steps
+    restored.rollbacks = progress.rollbacks + 1
+    return restored

@@ -1,0 +1,290 @@
+"""Training-state checkpoints: sharded model and optimizer (DCP), the rest as data, committed atomically.
+
+One checkpoint is a folder `<root>/step_<N>`:
+    *.distcp, .metadata     model + optimizer state, each rank writing its own shards (DCP)
+    rng/rank<r>.pt          rank r's CPU (and CUDA) generator states, plain tensors
+    state.json              step, data position, tokens seen, LR schedule, W&B run id, the config
+    COMMITTED.json          written last, by rank 0, once every rank's files are on disk: the
+                            name, size and CRC-32 of every file
+A folder without its commit marker is torn (killed while saving) and never loaded; one whose files
+do not match the marker is corrupt and is skipped with a warning naming it. Older committed
+checkpoints are deleted only after a newer one is committed, so the last good one always exists.
+Nothing is unpickled: DCP reads tensors, `torch.load(weights_only=True)` the RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("trainer")
+
+COMMIT = "COMMITTED.json"
+STATE = "state.json"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names it and what to change."""
+
+
+def checkpoint_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint folder under root, committed or not, newest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name))
+             for name in os.listdir(root) if (m := _NAME.match(name))]
+    return sorted(found, reverse=True)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _manifest(folder: str, names: list[str]) -> dict[str, list[int]]:
+    return {name: [os.path.getsize(os.path.join(folder, name)),
+                   _crc32(os.path.join(folder, name))] for name in names}
+
+
+def _own_files(folder: str, rank: int) -> list[str]:
+    """The files rank `rank` wrote: its DCP shards (named by rank) and its RNG file."""
+    names = [n for n in os.listdir(folder) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+    return sorted(names) + [f"rng/rank{rank}.pt"]
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)
+
+
+def verify(folder: str) -> Optional[str]:
+    """None if `folder` is a complete, intact checkpoint; else why not (one line)."""
+    marker = os.path.join(folder, COMMIT)
+    if not os.path.exists(marker):
+        return f"no {COMMIT} (the save did not finish)"
+    try:
+        with open(marker) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as error:
+        return f"unreadable {COMMIT}: {error}"
+    for name, (size, crc) in sorted(files.items()):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, {size} were written"
+        if _crc32(path) != crc:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+@dataclass
+class Loaded:
+    """What a load restored besides model and optimizer."""
+
+    path: str
+    state: dict[str, Any]  # the contents of state.json
+    rng_restored: bool  # False: this rank had no saved generator state (world size changed)
+
+
+class Checkpointer:
+    """Saves and loads training state under `root`; one per run, on every rank.
+
+    keep: committed checkpoints kept (>= 1). async_save: the write runs in a thread after the
+    state is copied to CPU memory; it is committed at the first step boundary after every rank
+    finished (see `poll`). Collectives of saving run on their own gloo group, so a background
+    write never interleaves with training's collectives.
+    """
+
+    def __init__(self, root: str, keep: int, async_save: bool, rank: int, world_size: int,
+                 device: torch.device) -> None:
+        self.root, self.keep, self.async_save = root, keep, async_save
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: Optional[tuple[int, str, Future]] = None
+        self._files: Optional[dict[str, list[int]]] = None  # this rank's, once written
+        self.last_committed: Optional[int] = None
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             state: dict[str, Any]) -> None:
+        """Start saving the state after `step` (every rank). Waits for a previous async save."""
+        self.wait()
+        folder = checkpoint_path(self.root, step)
+        if self.rank == 0 and os.path.exists(folder):  # a torn try at this step, or a rollback
+            shutil.rmtree(folder)
+        self._barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        tensors = {"model": model_state, "optim": optim_state}
+        os.makedirs(os.path.join(folder, "rng"), exist_ok=True)
+        torch.save(_rng_state(self.device), os.path.join(folder, "rng", f"rank{self.rank}.pt"))
+        if self.rank == 0:
+            with open(os.path.join(folder, STATE), "w") as f:
+                json.dump(state, f, indent=1, sort_keys=True)
+        self._files = None
+        if self.async_save:
+            future = dcp.async_save(tensors, checkpoint_id=folder, process_group=self.group)
+            future.add_done_callback(lambda done: self._hash_own(folder, done))
+            self._pending = (step, folder, future)
+            return
+        dcp.save(tensors, checkpoint_id=folder, process_group=self.group)
+        self._hash_own(folder, None)
+        self._pending = (step, folder, None)
+        self._commit()
+
+    def _hash_own(self, folder: str, done: Optional[Future]) -> None:
+        # On the writer thread for async saves: hashing is I/O, keep it off the training thread.
+        if done is not None and done.exception() is not None:
+            return
+        self._files = _manifest(folder, _own_files(folder, self.rank))
+
+    def local_done(self) -> bool:
+        """This rank has nothing pending, or its pending write finished (for the step's vote)."""
+        if self._pending is None:
+            return True
+        future = self._pending[2]
+        return future is None or future.done()
+
+    def poll(self, all_done: bool) -> None:
+        """At a step boundary, with the vote of all ranks: commit a finished async save."""
+        if self._pending is not None and all_done:
+            self._commit()
+
+    def wait(self) -> None:
+        """Finish and commit a pending save (every rank)."""
+        if self._pending is not None:
+            future = self._pending[2]
+            if future is not None:
+                future.result()
+            self._commit()
+
+    def _commit(self) -> None:
+        step, folder, future = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()  # raises here if this rank's write failed
+        files = self._gather(self._files or {})
+        if self.rank == 0:
+            files.update(_manifest(folder, [".metadata", STATE]))
+            _write_atomic(os.path.join(folder, COMMIT),
+                          json.dumps({"step": step, "world_size": self.world_size,
+                                      "files": files}, indent=1, sort_keys=True))
+            self._retain(step)
+        self.last_committed = step
+        self._barrier()
+
+    def _retain(self, newest: int) -> None:
+        """Keep the newest `keep` committed checkpoints; drop older and torn ones."""
+        kept = 0
+        for step, path in list_checkpoints(self.root):
+            committed = os.path.exists(os.path.join(path, COMMIT))
+            if step > newest:
+                continue  # e.g. left by a run that went further before a rollback
+            if committed and kept < self.keep:
+                kept += 1
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+    # --- loading -----------------------------------------------------------------------------
+
+    def load_latest(self, model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> Optional[Loaded]:
+        """Load the newest intact committed checkpoint into model and optimizer (every rank)."""
+        choice = [None]
+        if self.rank == 0:
+            for step, path in list_checkpoints(self.root):
+                problem = verify(path)
+                if problem is None:
+                    choice[0] = path
+                    break
+                log.warning("checkpoint %s skipped: %s", path, problem)
+        if self.group is not None:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        if choice[0] is None:
+            return None
+        return self.load(choice[0], model, optimizer)
+
+    def load(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Loaded:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        tensors = {"model": model_state, "optim": optim_state}
+        try:
+            dcp.load(tensors, checkpoint_id=folder, process_group=self.group)
+        except Exception as error:
+            raise CheckpointError(
+                f"checkpoint {folder} does not fit this model or optimizer ({error}); start a "
+                "new run (train.run_name=...) or restore the config it was saved with") from error
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optim"])
+        with open(os.path.join(folder, STATE)) as f:
+            state = json.load(f)
+        rng_file = os.path.join(folder, "rng", f"rank{self.rank}.pt")
+        rng_restored = os.path.exists(rng_file)
+        if rng_restored:
+            _set_rng_state(torch.load(rng_file, weights_only=True), self.device)
+        step = int(os.path.basename(folder)[len("step_"):])
+        self.last_committed = step
+        return Loaded(folder, state, rng_restored)
+
+    def _gather(self, files: dict[str, list[int]]) -> dict[str, list[int]]:
+        if self.group is None:
+            return dict(files)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, files, group=self.group)
+        merged: dict[str, list[int]] = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        """Finish a pending save; called at the end of a run (also a failed one: best effort)."""
+        self.wait()
