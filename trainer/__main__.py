@@ -32,6 +32,7 @@ def _run(cfg: DictConfig) -> None:
 
     from checkpointing.policies import BudgetError
     from trainer.loop import train
+    from trainer.faults import CollectiveFailure
     from trainer.state import CheckpointError
 
     try:
@@ -42,6 +43,9 @@ def _run(cfg: DictConfig) -> None:
     except CheckpointError as exc:  # known only once the checkpoint meets the built model
         cli.report(ConfigError("save.resume", str(exc)))
         cli.exit_after_error()
+    except CollectiveFailure as exc:  # names the rank and the operation; the trace adds nothing
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if status:
         sys.exit(status)  # preempted after saving: the launcher may run it again
 

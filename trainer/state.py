@@ -173,7 +173,8 @@ class Checkpointer:
             future.add_done_callback(lambda done: self._hash_own(folder, done))
             self._pending = (step, folder, future)
             return
-        dcp.save(tensors, checkpoint_id=folder, process_group=self.group)
+        dcp.save(tensors, checkpoint_id=folder, process_group=self.group,
+                 no_dist=self.group is None)
         self._hash_own(folder, None)
         self._pending = (step, folder, None)
         self._commit()
@@ -254,7 +255,8 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
         try:
-            dcp.load(tensors, checkpoint_id=folder, process_group=self.group)
+            dcp.load(tensors, checkpoint_id=folder, process_group=self.group,
+                     no_dist=self.group is None)
         except Exception as error:
             raise CheckpointError(
                 f"checkpoint {folder} does not fit this model or optimizer ({error}); start a "
