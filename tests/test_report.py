@@ -28,6 +28,7 @@ from tests.live_bytes import LiveTensorBytes, tensors_of
 from trainer.build import build_llama_on_meta, build_model, find_model_blocks, llama_args
 from trainer.cli import check
 from trainer.config import DEFAULT_SAVE_OPS
+from trainer.faults import LossGuard
 from trainer.loop import train_step
 from trainer.model import build_llama, lm_loss
 from trainer.optim import build_optimizer, build_scheduler
@@ -135,16 +136,19 @@ def _measured_step(overrides: list[str], world: int = 1) -> dict:
     optimizer = build_optimizer(built.model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
     generator = torch.Generator().manual_seed(denv.rank)
+    guard = LossGuard(skip_nonfinite=True, max_bad=3, spike_factor=0, window=10)
     for step in range(2):
         tokens = torch.randint(0, cfg.model.vocab_size,
                                (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
                                generator=generator)
         batches = [(tokens[:, :-1], tokens[:, 1:])]
         if step == 0:
-            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader)
+            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader,
+                       guard)
             continue
         with LiveTensorBytes(tensors_of(built.model, optimizer) + [tokens]) as live:
-            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader)
+            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader,
+                       guard)
     return {"act_saved_bytes": meter.peak, "peak": live.peak,
             "plan": [p.recompute for p in built.plan]}
 
