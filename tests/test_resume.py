@@ -209,3 +209,31 @@ def test_stuck_rank_gives_an_error_naming_rank_and_operation(tmp_path) -> None:
     assert ("error: rank 0: step 3 (forward, backward, gradient reduction) failed waiting for "
             "the other ranks (timeout train.dist_timeout_s=5)") in result.stderr
     assert time.monotonic() - started < 60
+
+
+def test_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path) -> None:
+    # A model big enough that writing a checkpoint takes a while, so the kill lands inside it.
+    run = [*QUICK, "train.steps=6", "save.every=2", "model.dim=512", "model.ffn_hidden=1536",
+           "model.n_heads=8", "model.n_kv_heads=8", f"hydra.run.dir={tmp_path}"]
+    reference = tmp_path.parent / (tmp_path.name + "-ref")
+    check_ok(run_trainer([*run[:-1], f"hydra.run.dir={reference}"], REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *run], cwd=REPO,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    torn = tmp_path / "checkpoints" / "step_00000004"
+    try:
+        deadline = time.monotonic() + 120
+        while not (torn.exists() and not (torn / "COMMITTED.json").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no save in progress seen"
+            time.sleep(0.002)
+        proc.kill()
+        proc.wait()
+    finally:
+        proc.kill()
+    assert not (torn / "COMMITTED.json").exists()  # killed before the commit
+    resumed = run_trainer(run, REPO)
+    check_ok(resumed)
+    log = resumed.stderr + resumed.stdout
+    assert f"checkpoint {torn} skipped: no COMMITTED.json (the save did not finish)" in log
+    assert "resumed from " + str(tmp_path / "checkpoints" / "step_00000002") in log
+    assert step_losses(tmp_path) == step_losses(reference)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000004", "step_00000006"]
