@@ -250,7 +250,9 @@ class DiskStore:
                        raise_error=False)
             inflight = self._inflight
         self._holds.drain()
-        leftovers = os.listdir(self.folder)
+        # The folder can vanish under us (someone cleaned offload.dir): the step has failed
+        # already, with that error; do not bury it under another.
+        leftovers = os.listdir(self.folder) if os.path.isdir(self.folder) else []
         for name in leftovers:
             os.remove(os.path.join(self.folder, name))
         if leftovers or inflight:
