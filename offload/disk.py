@@ -12,7 +12,7 @@ order `prefetch` asks, i.e. one block ahead of backward; files are deleted as so
 back. On CUDA both threads go through two pinned staging buffers each (chunk by chunk, the copy of
 one chunk overlapping the file I/O of the other), so pinned memory stays at 4 x chunk_bytes.
 
-On the CPU, data comes back as a private mapping of its file (see `_map_private`), and with
+On the CPU, data comes back as a private mapping of its file (see `map_private`), and with
 `trim_heap` the heap's free pages go back to the system when backward starts (`offload.heap`):
 without both, resident memory stays at its high-water mark whatever was offloaded.
 """
@@ -24,8 +24,6 @@ import os
 import queue
 import secrets
 import shutil
-import socket
-import tempfile
 import threading
 from typing import Callable, Optional
 
@@ -35,85 +33,11 @@ from torch import Tensor
 from offload.cuda import (Copier, CudaCopier, Event, HoldUntil, copy_in_staged,
                           copy_out_staged)
 from offload.engine import OffloadError, resolve_device
+from offload.files import (FOLDER_PREFIX, check_writable, cleanup_stale, host_tag, map_private,
+                           read_into, write_all)
 from offload.heap import release_free_heap
 
-FOLDER_PREFIX = "blocktrain-offload-"
-
-
-def check_writable(dir: str, need_bytes: int) -> None:
-    """Start-up check: `dir` can be created and written, and has need_bytes free."""
-    try:
-        os.makedirs(dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=dir):
-            pass
-    except OSError as error:
-        raise OffloadError(f"offload.dir: {dir!r} is not writable ({error})") from error
-    free = shutil.disk_usage(dir).free
-    if free < need_bytes:
-        raise OffloadError(f"offload.dir: {dir!r} has {free} bytes free, {need_bytes} are needed")
-
-
-def host_tag() -> str:
-    """This host, as it appears in folder names (no separators)."""
-    return socket.gethostname().replace(os.sep, "_").replace("-", "_")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def cleanup_stale(dir: str) -> list[str]:
-    """Remove the folders that crashed runs on this host left in `dir`; returns their paths.
-
-    A folder is named <prefix><host>-<pid>-<token>. Only this host's folders whose process is gone
-    are removed: on a shared file system another node's live run looks like a dead local pid.
-    """
-    removed = []
-    for name in sorted(os.listdir(dir)):
-        parts = name[len(FOLDER_PREFIX):].split("-") if name.startswith(FOLDER_PREFIX) else []
-        if len(parts) != 3 or parts[0] != host_tag() or not parts[1].isdigit():
-            continue
-        if not _alive(int(parts[1])):
-            path = os.path.join(dir, name)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _write_all(file, data: Tensor) -> None:
-    view = memoryview(data.numpy())
-    while view:
-        view = view[file.write(view):]
-
-
-def _read_into(file, data: Tensor) -> None:
-    view = memoryview(data.numpy())
-    while view:
-        count = file.readinto(view)
-        if not count:
-            raise OSError("file shorter than what was written")
-        view = view[count:]
-
-
-def _map_private(path: str, nbytes: int) -> Tensor:
-    """The file's bytes as a copy-on-write mapping, its pages faulted in here (the reader thread).
-
-    Mapping instead of reading into a fresh allocation saves a copy, and, more to the point on
-    the CPU, the memory goes back to the system the moment autograd drops the tensor: a heap
-    allocation would stay in the allocator's arena and keep resident memory at its high-water
-    mark. Deleting the file while it is mapped is fine; the pages live until unmapped.
-    """
-    restored = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
-    if nbytes:
-        restored[::4096].sum()  # one read per page: backward finds them resident
-    return restored
-
+__all__ = ["DiskStore", "FOLDER_PREFIX", "check_writable", "cleanup_stale", "host_tag"]
 
 class _DiskTicket:
     __slots__ = ("nbytes", "path", "source", "ready", "writing", "on_disk", "released",
@@ -349,12 +273,12 @@ class DiskStore:
                         self._before_write()
                     with open(ticket.path, "wb", buffering=0) as file:
                         if self._copier is None:
-                            _write_all(file, source)
+                            write_all(file, source)
                         else:
                             staging = staging or [self._copier.allocate_host(self.chunk_bytes)
                                                   for _ in range(2)]
                             copy_out_staged(self._copier, source, ticket.ready, staging,
-                                            self.chunk_bytes, functools.partial(_write_all, file))
+                                            self.chunk_bytes, functools.partial(write_all, file))
                 except Exception as exc:  # reported to the training thread, not lost here
                     error = exc
             del source
@@ -411,9 +335,9 @@ class DiskStore:
     def _read(self, ticket: _DiskTicket, staging: list[Tensor],
               in_use: list[Optional[Event]]) -> tuple[Tensor, Optional[Event]]:
         if self._copier is None:
-            return _map_private(ticket.path, ticket.nbytes), None
+            return map_private(ticket.path, ticket.nbytes), None
         with open(ticket.path, "rb", buffering=0) as file:
             restored, allocated = self._copier.allocate_device(ticket.nbytes, ticket.consumer)
             done = copy_in_staged(self._copier, restored, allocated, staging, in_use,
-                                  self.chunk_bytes, functools.partial(_read_into, file))
+                                  self.chunk_bytes, functools.partial(read_into, file))
             return restored, done

@@ -7,6 +7,7 @@ vote (`StepVote`) of the flags each rank saw. No rank ever acts on a local flag 
 
 from __future__ import annotations
 
+import math
 import signal
 import statistics
 import time
@@ -80,8 +81,7 @@ class LossGuard:
         self.bad_total = 0
 
     def judge(self, loss: float, grad_norm: float) -> Verdict:
-        finite = torch.isfinite(torch.tensor([loss, grad_norm])).all().item()
-        if not finite:
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             if not self.skip_nonfinite:
                 return Verdict(True)
             self.bad_in_a_row += 1
