@@ -1,4 +1,4 @@
-"""CUDA-marked tests run only where a CUDA device is visible."""
+"""CUDA-marked tests run only where a CUDA device is visible; fixtures shared by several modules."""
 
 from __future__ import annotations
 
@@ -14,3 +14,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def launch_reference(tmp_path_factory):
+    """The launcher tests' run under one torchrun agent with 2 processes; computed once."""
+    from tests.helpers import LAUNCH_RUN, REPO, check_ok, run_trainer
+
+    run_dir = tmp_path_factory.mktemp("launch-reference")
+    check_ok(run_trainer([*LAUNCH_RUN, f"hydra.run.dir={run_dir}"], REPO, nproc=2))
+    return run_dir

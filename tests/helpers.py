@@ -103,3 +103,17 @@ def read_wandb_records(path: Path) -> list:
             records.append(record)
             pending = b""
     return records
+
+
+# The launcher tests' run (Slurm, two torchrun agents): long enough that a signal sent after the
+# third step lands mid-run; dropout on, so the RNG streams of every rank must line up.
+LAUNCH_RUN = [*QUICK, "train.steps=24", "save.every=100", "model.dropout=0.1"]
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """The loss of every applied step; after a restart or rollback the last record wins."""
+    out = {}
+    for m in read_metrics(run_dir):
+        if "loss" in m:
+            out[m["step"]] = m["loss"]
+    return out

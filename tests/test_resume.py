@@ -14,22 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (QUICK, REPO, check_ok, free_port, read_metrics, run_trainer,
-                           subprocess_env)
+                           step_losses, subprocess_env)
 
 STEPS = 8
 # Dropout on and a recompute policy: the RNG state must come back exactly for bitwise losses.
 BASE = [*QUICK, f"train.steps={STEPS}", "save.every=2", "model.dropout=0.1",
         "checkpointing=full", "train.eval_every=4"]
 PREEMPTED = 75
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """The loss of every applied step; after a restart or rollback the last record wins."""
-    out = {}
-    for m in read_metrics(run_dir):
-        if "loss" in m:
-            out[m["step"]] = m["loss"]
-    return out
 
 
 def val_losses(run_dir: Path) -> dict[int, float]:

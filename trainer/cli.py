@@ -112,8 +112,13 @@ def to_config(cfg) -> Config:
     return obj
 
 
-def check(overrides: Sequence[str], env: Mapping[str, str]) -> tuple[Config, Layout]:
-    """Compose and validate; raises ConfigError with a one-line message on any user mistake."""
+def check(overrides: Sequence[str], env: Mapping[str, str],
+          local_gpus: bool = True) -> tuple[Config, Layout]:
+    """Compose and validate; raises ConfigError with a one-line message on any user mistake.
+
+    local_gpus: also check train.device=cuda against this machine's GPUs (off when validating a
+    job for other machines, e.g. a Slurm submission from a login node).
+    """
     _, world, nodes = world_from_env(env)
     try:
         cfg = compose(overrides)
@@ -122,7 +127,7 @@ def check(overrides: Sequence[str], env: Mapping[str, str]) -> tuple[Config, Lay
     except Exception as exc:  # Hydra and OmegaConf raise many types; all are user input here
         raise ConfigError("config", describe_compose_error(exc)) from exc
     layout = validate(cfg, world_size=world, num_nodes=nodes)
-    if cfg.train.device == "cuda":
+    if cfg.train.device == "cuda" and local_gpus:
         _check_gpus(int(env.get("LOCAL_WORLD_SIZE", str(world))))
     return cfg, layout
 
@@ -139,12 +144,41 @@ def _check_gpus(local_world_size: int) -> None:
                           f"{count} GPUs; set torchrun --nproc-per-node to at most {count}")
 
 
-def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
-    """0 when the command line is good (or is a Hydra flag we leave to Hydra), else 2."""
-    if any(a in _HYDRA_FLAGS_WITHOUT_RUN or a in _MULTIRUN_FLAGS for a in argv):
-        return 0  # sweeps are validated per job, inside the task function
+def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
+    """The jobs of a Hydra sweep, as Hydra's basic sweeper orders them: `a=1,2 b=x,y` gives
+    [a=1 b=x], [a=1 b=y], [a=2 b=x], [a=2 b=y]. A plain command line is one job."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
     try:
-        check([a for a in argv if not a.startswith("-")], env)
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as exc:
+        raise ConfigError("config", describe_compose_error(exc)) from exc
+    choices = []
+    for override in parsed:
+        if override.is_sweep_override():
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([override.input_line])
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
+    """0 when the command line is good (or is a Hydra flag we leave to Hydra), else 2.
+
+    A `-m` sweep is checked job by job before the first one starts: a typo in the last job must
+    not surface hours into the sweep.
+    """
+    if any(a in _HYDRA_FLAGS_WITHOUT_RUN for a in argv):
+        return 0
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        jobs = expand_sweep(overrides) if any(a in _MULTIRUN_FLAGS for a in argv) else [overrides]
+        for job in jobs:
+            check(job, env)
     except ConfigError as exc:
         report(exc, env)
         return USAGE_ERROR

@@ -34,7 +34,7 @@ from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSign
 from trainer.metrics import RunLogger, peak_flops, peak_memory_bytes
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from trainer.resume import Progress, resume, rollback, train_state
-from trainer.state import Checkpointer
+from trainer.state import Checkpointer, clear_stopped, mark_stopped
 
 log = logging.getLogger("trainer")
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -258,11 +258,15 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
             save(step)
         if stop:
             checkpointer.wait()
+            if denv.is_main:  # before the ranks leave together: a launcher may act at once
+                mark_stopped(run_dir, step, stop_reason, cfg.save.preempt_exit_code)
             logger.info(f"stopping ({stop_reason}): saved step "
                         f"{step}; exiting with status {cfg.save.preempt_exit_code} "
                         "(start the same run again to continue)")
             logger.close()
             return cfg.save.preempt_exit_code
+    if denv.is_main:
+        clear_stopped(run_dir)  # a marker of an earlier stop of this run is stale now
     logger.close()
     return 0
 

@@ -73,7 +73,7 @@ def _own_files(folder: str, rank: int) -> list[str]:
     return sorted(names) + [f"rng/rank{rank}.pt"]
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)
@@ -85,6 +85,25 @@ def _write_atomic(path: str, text: str) -> None:
         os.fsync(directory)  # the rename itself survives a crash
     finally:
         os.close(directory)
+
+
+# Written to the run directory when a run stops early after a committed save (preemption signal,
+# train.stop_at_step), removed when a run completes. Launchers read it: the Slurm job script
+# requeues the job when it appears (torchrun reports any non-zero worker exit as its own failure,
+# so the exit status alone cannot say "saved; start me again").
+STOPPED_MARKER = "preempted.json"
+
+
+def mark_stopped(run_dir: str, step: int, reason: str, exit_code: int) -> None:
+    write_atomic(os.path.join(run_dir, STOPPED_MARKER),
+                 json.dumps({"step": step, "reason": reason, "exit_code": exit_code}) + "\n")
+
+
+def clear_stopped(run_dir: str) -> None:
+    try:
+        os.remove(os.path.join(run_dir, STOPPED_MARKER))
+    except FileNotFoundError:
+        pass
 
 
 def verify(folder: str) -> Optional[str]:
@@ -213,7 +232,7 @@ class Checkpointer:
         files = self._gather(self._files or {})
         if self.rank == 0:
             files.update(_manifest(folder, [".metadata", STATE]))
-            _write_atomic(os.path.join(folder, COMMIT),
+            write_atomic(os.path.join(folder, COMMIT),
                           json.dumps({"step": step, "world_size": self.world_size,
                                       "files": files}, indent=1, sort_keys=True))
             self._retain(step)
