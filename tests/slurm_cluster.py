@@ -51,6 +51,8 @@ SlurmctldPort={CTLD_PORT}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again only after its old credentials expire (default 120 s).
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
