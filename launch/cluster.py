@@ -123,8 +123,12 @@ def query() -> Cluster:
     """The cluster as the controller describes it; a usage error if it cannot be reached."""
     texts = []
     for entity in ("partition", "node"):
-        result = subprocess.run(["scontrol", "show", entity, "-o"], capture_output=True,
-                                text=True, timeout=60)
+        try:
+            result = subprocess.run(["scontrol", "show", entity, "-o"], capture_output=True,
+                                    text=True, timeout=60)
+        except FileNotFoundError as exc:
+            raise ConfigError("slurm", "scontrol is not on PATH; run this on a machine of the "
+                                       "cluster (e.g. a login node)") from exc
         if result.returncode != 0:
             reason = (result.stderr or result.stdout).strip().splitlines()
             raise ConfigError("slurm", "cannot read the cluster with `scontrol show "

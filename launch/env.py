@@ -73,8 +73,13 @@ def init_distributed(denv: DistEnv, timeout_s: int) -> None:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
 
 
-def shutdown(clean: bool = True) -> None:
-    """clean: all ranks got here; wait for each other (a failed rank never would)."""
+def shutdown(clean: bool = True, destroy: bool = True) -> None:
+    """clean: all ranks got here; wait for each other (a failed rank never would).
+
+    destroy=False keeps the process group for the next job of a `-m` sweep in this process: a
+    group initialised again under torchrun would read the previous group's keys from the same
+    store and connect to addresses that are gone.
+    """
     if dist.is_initialized():
         if clean:
             # A rank that tears down its gloo pairs while a peer still talks to it aborts the
@@ -83,7 +88,8 @@ def shutdown(clean: bool = True) -> None:
             # the ranks also meet on the store, which does not use those pairs.
             dist.barrier()
             _meet_on_store(timeout_s=60.0)
-        dist.destroy_process_group()
+        if destroy or not clean:
+            dist.destroy_process_group()
 
 
 def _meet_on_store(timeout_s: float) -> None:
@@ -92,7 +98,9 @@ def _meet_on_store(timeout_s: float) -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     key = "blocktrain/leaving"
-    store.add(key, 1)
+    # The counter keeps growing over the meetings of one group (jobs of a sweep): this meeting
+    # is over when it reaches the next multiple of the world size.
+    target = -(-store.add(key, 1) // world) * world
     deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < world and time.monotonic() < deadline:
+    while store.add(key, 0) < target and time.monotonic() < deadline:
         time.sleep(0.01)

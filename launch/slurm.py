@@ -33,7 +33,7 @@ USAGE_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=0)
@@ -119,12 +119,26 @@ def run_dir_of(cfg: Config, overrides: Sequence[str], workdir: str) -> str:
     return os.path.join(out_dir, name)
 
 
-def plan(args: argparse.Namespace, cluster: Optional[Cluster]) -> tuple[list[Job], str]:
+def read_cluster(args: argparse.Namespace) -> tuple[Optional[Cluster], str]:
+    """The cluster to check the request against, or None and why not (a dry run may be made
+    away from the cluster; submitting and --validate need it)."""
+    if not slurm_available() and args.dry_run:
+        return None, "cluster not checked: no scontrol/sbatch on PATH"
+    try:
+        return query(), ""
+    except ConfigError as exc:
+        if args.dry_run:
+            return None, f"cluster not checked: {exc}"
+        raise
+
+
+def plan(args: argparse.Namespace, cluster: Optional[Cluster],
+         summary: str = "") -> tuple[list[Job], str]:
     """Every job of the command line, checked; and a summary of the cluster check."""
     if any(o in ("-m", "--multirun") for o in args.overrides):
         raise ConfigError("-m", "not needed: a sweep in the overrides becomes one job each")
     sweep = cli.expand_sweep(args.overrides)
-    jobs, summary = [], "cluster not checked (no scontrol/sbatch on PATH)"
+    jobs = []
     for i, overrides in enumerate(sweep):
         name = args.job_name if len(sweep) == 1 else f"{args.job_name}-{i}"
         req = request_from(args, name)
@@ -168,8 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        cluster = query() if (slurm_available() or args.validate) else None
-        jobs, summary = plan(args, cluster)
+        jobs, summary = plan(args, *read_cluster(args))
     except ConfigError as exc:
         cli.report(exc, env={})
         return USAGE_ERROR

@@ -14,17 +14,19 @@ POLICIES = ["none", "full", "every_k", "sqrt", "selective", "budget"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Each policy once with 2 ranks (FSDP) and once with 1, four steps, dropout on."""
+    """Each policy once with 2 ranks (FSDP) and once with 1, four steps, dropout on: one `-m`
+    sweep per rank count (the jobs of a sweep share one process, and its start-up)."""
     out = {}
-    for policy in POLICIES:
-        for nproc in (1, 2):
-            run_dir = tmp_path_factory.mktemp(f"{policy}{nproc}") / "run"
-            micro = 4 // nproc
-            result = run_trainer(COMMON + [f"checkpointing={policy}", f"hydra.run.dir={run_dir}",
-                                           f"train.micro_batch_size={micro}"],
-                                 cwd=run_dir.parent, nproc=nproc)
-            check_ok(result)
-            out[policy, nproc] = run_dir
+    for nproc in (1, 2):
+        out_dir = tmp_path_factory.mktemp(f"sweep{nproc}")
+        result = run_trainer(["-m", f"checkpointing={','.join(POLICIES)}", *COMMON,
+                              f"train.micro_batch_size={4 // nproc}", f"train.out_dir={out_dir}",
+                              "train.run_name=policies"], cwd=out_dir, nproc=nproc)
+        check_ok(result)
+        for i, policy in enumerate(POLICIES):  # Hydra numbers the jobs in sweep order
+            out[policy, nproc] = out_dir / "multirun" / "policies" / str(i)
+            assert f"checkpointing={policy}" in (out[policy, nproc] / ".hydra" /
+                                                 "overrides.yaml").read_text()
     return out
 
 

@@ -35,8 +35,12 @@ def _run(cfg: DictConfig) -> None:
     from trainer.faults import CollectiveFailure
     from trainer.state import CheckpointError
 
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
     try:
-        status = train(config, layout, run_dir=HydraConfig.get().runtime.output_dir)
+        status = train(config, layout, run_dir=hydra_cfg.runtime.output_dir,
+                       keep_process_group=hydra_cfg.mode == RunMode.MULTIRUN)
     except BudgetError as exc:  # known only after profiling the blocks on the device
         cli.report(ConfigError("checkpointing.budget", str(exc)))
         cli.exit_after_error()
@@ -58,6 +62,10 @@ def main() -> None:
     register_resolver()
     sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)
     _run()
+    if "torch.distributed" in sys.modules:  # a sweep kept its process group for all its jobs
+        from launch.env import shutdown
+
+        shutdown()
 
 
 if __name__ == "__main__":

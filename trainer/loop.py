@@ -91,8 +91,11 @@ def _to(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
     return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
 
 
-def train(cfg: Config, layout: Layout, run_dir: str) -> int:
-    """The whole run on this rank; returns the exit status (0, or save.preempt_exit_code)."""
+def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = False) -> int:
+    """The whole run on this rank; returns the exit status (0, or save.preempt_exit_code).
+
+    keep_process_group: more jobs follow in this process (a `-m` sweep); they reuse the group.
+    """
     denv = read_env(cfg.train.device)
     init_distributed(denv, cfg.train.dist_timeout_s)
     try:
@@ -100,7 +103,7 @@ def train(cfg: Config, layout: Layout, run_dir: str) -> int:
     except BaseException:
         shutdown(clean=False)
         raise
-    shutdown()
+    shutdown(destroy=not keep_process_group)
     return status
 
 
