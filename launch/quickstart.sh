@@ -27,6 +27,8 @@ cmd="${1:-}"
 shift || true
 case "$cmd" in
   train) exec "$py" -m trainer "$@" ;;
-  test) exec "$py" -m pytest -q "$@" ;;
+  # Two workers, each taking whole test files (module fixtures are computed once); a later
+  # `-n N` (or `-n 0`) among the arguments wins.
+  test) exec "$py" -m pytest -q -n 2 --dist loadfile "$@" ;;
   *) echo "usage: $0 train [key=value ...] | test [pytest args ...]" >&2; exit 2 ;;
 esac
