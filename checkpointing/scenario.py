@@ -20,7 +20,7 @@ from checkpointing.policies import Budget, choose_plan, resolve_budget
 from checkpointing.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
-from trainer.build import build_llama_on_meta, find_model_blocks
+from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config, Layout, validate
 from trainer.model import lm_loss
 
@@ -103,7 +103,7 @@ class Evaluator:
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
                tuple(cfg.checkpointing.save_ops))
         if key not in self._profiles:
-            model = build_llama_on_meta(cfg.model)
+            model = build_on_meta(cfg.model)
             names, blocks = find_model_blocks(model, cfg.model.block_pattern)
             orig_dtype = next(model.parameters()).dtype
             groups = param_groups(model, blocks, names)

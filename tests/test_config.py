@@ -34,6 +34,8 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
                           f"data.val_path={tmp_path / 'val.bin'}"]
         if group == "model" and option != "tiny":
             overrides.append("data.source=synthetic")
+        if (group, option) == ("model", "hf"):  # needs a model: one built from a config
+            overrides.append("model.hf_config={model_type: llama, num_hidden_layers: 2}")
         cfg, layout = check(overrides, env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
         assert getattr(cfg, group) is not None and layout.world_size == 2
         if group == "model":
@@ -47,7 +49,7 @@ def test_config_keys_are_frozen() -> None:
         "model.name", "model.arch", "model.dim", "model.n_layers", "model.n_heads",
         "model.n_kv_heads", "model.vocab_size", "model.ffn_hidden", "model.max_seq_len",
         "model.norm_eps", "model.rope_theta", "model.dropout", "model.tie_embeddings",
-        "model.block_pattern",
+        "model.block_pattern", "model.path", "model.hf_config", "model.attn_implementation",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
         "data.max_corpus_bytes",
         "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",

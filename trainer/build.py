@@ -29,7 +29,7 @@ from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
 from trainer.config import Config, ModelConfig
-from trainer.model import LlamaArgs, build_llama, lm_loss
+from trainer.model import LlamaArgs, build_llama, flops_per_token, lm_loss
 
 log = logging.getLogger("trainer")
 
@@ -49,6 +49,22 @@ def init_params(model: nn.Module, seed: int) -> None:
 
 def build_llama_on_meta(cfg: ModelConfig) -> nn.Module:
     return build_llama(llama_args(cfg), device="meta")
+
+
+def build_on_meta(cfg: ModelConfig) -> nn.Module:
+    """The model of `model.arch`, parameters on the meta device."""
+    if cfg.arch == "hf":
+        from trainer.hf import build_hf_on_meta
+
+        return build_hf_on_meta(cfg.hf_config, cfg.path, cfg.attn_implementation)
+    return build_llama_on_meta(cfg)
+
+
+def model_flops_per_token(cfg: ModelConfig, model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token for MFU (see trainer/model.py's flops_per_token)."""
+    if cfg.arch == "hf":
+        return model.flops_per_token(seq_len)
+    return flops_per_token(llama_args(cfg), seq_len)
 
 
 def default_init(name: str, full: torch.Tensor, generator: torch.Generator) -> None:
@@ -115,6 +131,7 @@ class Built:
     budget: Optional[Budget]
     compiled_blocks: int = 0  # blocks whose __call__ torch.compile replaced
     offloader: Optional[Offloader] = None
+    flops_per_token: float = 0.0  # training FLOPs per token, for MFU
 
 
 def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Sequence[nn.Module],
@@ -162,7 +179,8 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
                 run_dir: Optional[str] = None) -> Built:
     """Meta model -> blocks -> plan -> per block: checkpoint, offload hooks, compile, shard ->
     root -> real."""
-    model = build_llama_on_meta(cfg.model)
+    model = build_on_meta(cfg.model)
+    flops = model_flops_per_token(cfg.model, model, cfg.data.seq_len)
     names, blocks = find_model_blocks(model, cfg.model.block_pattern)
     run_dir = run_dir or cfg.train.out_dir
     plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)
@@ -195,7 +213,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     if mesh is None and denv.world_size > 1:
         model = fsdp.apply_ddp(model, denv.device)
     compiled = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
-    return Built(model, plan, profiles, rest, budget, compiled, offloader)
+    return Built(model, plan, profiles, rest, budget, compiled, offloader, flops)
 
 
 def find_model_blocks(model: nn.Module, pattern: Optional[str]) -> tuple[list[str], list[nn.Module]]:

@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -51,6 +51,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     # Module-path glob of the blocks (e.g. "layers.*"); null finds the repeated blocks itself.
     block_pattern: Optional[str] = None
+    # arch=hf: a Hugging Face causal LM, from a local pretrained folder (config.json and
+    # *.safetensors; nothing is downloaded) or built from hf_config ({model_type: llama, ...},
+    # random init). Dropout and shapes then come from the HF config; the fields above are unused.
+    path: Optional[str] = None
+    hf_config: Optional[Any] = None
+    attn_implementation: str = "sdpa"
 
 
 @dataclass
@@ -182,13 +188,45 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+def _hf_fields(m: ModelConfig) -> dict:
+    """The HF config's fields as given (hf_config) or saved (path/config.json)."""
+    if m.path:
+        with open(os.path.join(m.path, "config.json")) as f:
+            return json.load(f)
+    return dict(m.hf_config or {})
+
+
+def model_vocab_size(m: ModelConfig) -> int:
+    if m.arch != "hf":
+        return m.vocab_size
+    # 32000 is what transformers' Llama config defaults to when vocab_size is not given.
+    return int(_hf_fields(m).get("vocab_size", 32000))
+
+
+def _check_hf(cfg: "Config") -> None:
+    m = cfg.model
+    _require((m.path is None) != (m.hf_config is None), "model.path",
+             "model.arch=hf needs exactly one of model.path=<local folder> or "
+             "model.hf_config={model_type: ..., ...}")
+    if m.path is not None:
+        _require(os.path.isfile(os.path.join(m.path, "config.json")), "model.path",
+                 f"{m.path} has no config.json (a folder written by save_pretrained; nothing "
+                 "is downloaded)")
+    else:
+        _require(isinstance(m.hf_config, dict) and "model_type" in m.hf_config,
+                 "model.hf_config", "must be a mapping with model_type, e.g. "
+                 "{model_type: llama, hidden_size: 128, num_hidden_layers: 2}")
+    _require(m.dropout == 0, "model.dropout",
+             "unused with model.arch=hf; set the HF config's own dropout fields instead")
+
+
 def register_schema() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
-    "model.arch": ("llama",),
+    "model.arch": ("llama", "hf"),
     "data.source": ("bytes", "tokens", "synthetic"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -340,6 +378,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
                  "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")
 
     m = cfg.model
+    if m.arch == "hf":
+        _check_hf(cfg)
     _require(m.dim % m.n_heads == 0, "model.n_heads",
              f"must divide model.dim={m.dim}, got {m.n_heads}")
     _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
@@ -355,8 +395,9 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
                  "data.source=tokens needs data.val_path=<file.bin>")
         _check_token_files(cfg.data, m.vocab_size)
     if cfg.data.source == "bytes":
-        _require(m.vocab_size >= 256, "model.vocab_size",
-                 f"data.source=bytes needs at least 256, got {m.vocab_size}")
+        vocab = model_vocab_size(m)
+        _require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
+                 f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
 
     s = cfg.sharding
     if s.mode == "none":

@@ -25,10 +25,10 @@ from offload.apply import close_offloader, offload_micro_batch
 from offload.engine import Offloader
 from launch.env import DistEnv, init_distributed, read_env, shutdown
 from sharding.fsdp import reshard_all, set_grad_sync
-from trainer.build import Built, build_model, llama_args
-from trainer.config import Config, Layout
+from trainer.build import Built, build_model
+from trainer.config import Config, Layout, model_vocab_size
 from trainer.data import build_datasets, train_batch, val_batches
-from trainer.model import flops_per_token, lm_loss
+from trainer.model import lm_loss
 from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
 from trainer.metrics import RunLogger, peak_flops, peak_memory_bytes
@@ -163,7 +163,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
 
     train_set, val_set, _ = build_datasets(
-        cfg.data.source, cfg.data.seq_len, cfg.model.vocab_size, t.seed, cfg.data.train_path,
+        cfg.data.source, cfg.data.seq_len, model_vocab_size(cfg.model), t.seed, cfg.data.train_path,
         cfg.data.val_path, cfg.data.token_dtype, cfg.data.max_corpus_bytes)
     val_data = _to(val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
                                denv.world_size), device)
@@ -188,7 +188,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         logger.info(f"torch.compile: compiled {built.compiled_blocks} blocks (each after its "
                     "checkpoint wrapper, before sharding)")
 
-    flops = flops_per_token(llama_args(cfg.model), cfg.data.seq_len)
+    flops = built.flops_per_token
     peak = peak_flops(device)
     tokens_per_step = layout.global_batch_size * cfg.data.seq_len
 

@@ -1,0 +1,164 @@
+"""Hugging Face causal LMs as blocktrain models (`model.arch=hf`).
+
+The model is built from a config (`model.hf_config`: a model type and its fields, random init)
+or from a local pretrained directory (`model.path`: config.json + *.safetensors), never over the
+network. Parameters are created on the meta device, so nothing is allocated before the plan and
+sharding are applied; buffers (rotary tables) are computed for real at construction and restored
+after materialisation. Pretrained weights are read one tensor at a time from the safetensors
+files (memory-mapped) and each rank keeps only its shard: no rank ever holds the full model.
+
+The wrapper makes the trainer's contract: `model(tokens) -> logits`; `init_param(name, full,
+generator)` fills one parameter (random, or from the checkpoint); `reset_buffers()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+
+PREFIX = "hf."  # parameter names inside the wrapper; the HF name follows
+
+
+class HFModelError(ValueError):
+    """A model that cannot be built from what the user gave; names the key to change."""
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters go to the meta device as they are registered; buffers stay real (they are
+    small, computed at construction, and not restorable from a checkpoint)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _hf_config(hf_config: Any, path: Optional[str]):
+    from transformers import AutoConfig
+
+    if path:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise HFModelError(f"model.path: {path} has no config.json (a local folder saved "
+                               "with save_pretrained; nothing is downloaded)")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if not isinstance(hf_config, Mapping) or "model_type" not in hf_config:
+        raise HFModelError("model.hf_config: give a mapping with model_type and its fields, "
+                           "e.g. {model_type: llama, hidden_size: 256, ...}, or set model.path")
+    fields = dict(hf_config)
+    model_type = fields.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        raise HFModelError(f"model.hf_config.model_type: {model_type!r} is not an architecture "
+                           f"this transformers knows ({exc.__class__.__name__})") from exc
+
+
+class HFCausalLM(nn.Module):
+    def __init__(self, hf_model: nn.Module, checkpoint: Optional[str] = None) -> None:
+        super().__init__()
+        self.hf = hf_model
+        # Real buffer values, restored after to_empty() wipes them (e.g. rotary inv_freq).
+        self._buffer_values = {name: b.detach().clone() for name, b in self.named_buffers()}
+        self._std = float(getattr(hf_model.config, "initializer_range", 0.02))
+        self._reader = _SafetensorsReader(checkpoint) if checkpoint else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.device.type == "meta":
+            # HF decides mask shortcuts from tensor values, which meta tensors do not have;
+            # fake tensors it recognises as tracing (shapes only, like meta).
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                return self.hf(input_ids=tokens, use_cache=False).logits
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 N + 12 L d T, with N the non-embedding parameters counting the output head (a tied
+        head once, as the head), as trainer/model.py's flops_per_token for our Llama."""
+        embedding = self.hf.get_input_embeddings().weight
+        head = self.hf.get_output_embeddings()
+        tied = head is not None and head.weight is embedding
+        total = sum(p.numel() for p in self.parameters())  # parameters() yields a tied one once
+        n = total if tied else total - embedding.numel()
+        c = self.hf.config
+        return float(6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len)
+
+    @torch.no_grad()
+    def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        hf_name = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        if self._reader is not None:
+            full.copy_(self._reader.get(hf_name, full.shape))
+        elif full.ndim >= 2:
+            full.normal_(0.0, self._std, generator=generator)
+        elif hf_name.endswith("bias"):
+            full.zero_()
+        else:  # norm scales
+            full.fill_(1.0)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        for name, value in self._buffer_values.items():
+            buffer = self.get_buffer(name)
+            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+
+
+class _SafetensorsReader:
+    """Tensors by name from a folder's *.safetensors files, memory-mapped, read on demand."""
+
+    def __init__(self, folder: str) -> None:
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not files:
+            raise HFModelError(f"model.path: {folder} has no *.safetensors weights")
+        self._handles = [safe_open(f, framework="pt") for f in files]
+        self._where = {key: h for h in self._handles for key in h.keys()}
+
+    def get(self, name: str, shape: torch.Size) -> torch.Tensor:
+        handle = self._where.get(name)
+        if handle is None:
+            raise HFModelError(f"model.path: the checkpoint has no tensor {name!r} (is it the "
+                               "same architecture as its config.json?)")
+        tensor = handle.get_tensor(name)
+        if tensor.shape != shape:
+            raise HFModelError(f"model.path: {name} has shape {tuple(tensor.shape)} in the "
+                               f"checkpoint, {tuple(shape)} in the model")
+        return tensor
+
+
+def build_hf_on_meta(hf_config: Any, path: Optional[str], dropout: Optional[float] = None,
+                     attn_implementation: str = "sdpa") -> HFCausalLM:
+    """The wrapped model with parameters on meta; `path` also makes init_param load weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(hf_config, path)
+    config._attn_implementation = attn_implementation
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    return HFCausalLM(model, checkpoint=path)
+
+
+def save_pretrained(model_state: Mapping[str, torch.Tensor], config_json: str, out: str) -> None:
+    """Write a HF-loadable folder: config.json + model.safetensors (names without the wrapper)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    state = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v.contiguous()
+             for k, v in model_state.items()}
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        f.write(json.dumps(json.loads(config_json), indent=2))
