@@ -118,7 +118,8 @@ def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.dev
             started = time.perf_counter()
             with candidate._profile_meter.measure() as meter:
                 out = candidate(*real_args, **real_kwargs)
-            out.float().square().mean().backward()
+            if out.requires_grad:  # a frozen block fed by frozen layers has no backward
+                out.float().square().mean().backward()
             _sync(device)
             saved[option] = meter.bytes
             sizes[option] = tuple(meter.sizes)

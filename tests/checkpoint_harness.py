@@ -15,3 +15,31 @@ SMALL = ["data.seq_len=64", "train.micro_batch_size=4", "model.dropout=0.1",
 def batch(step: int, rank: int = 0, size: int = 4, seq: int = 64) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, 256, (size, seq + 1), generator=g)
+
+
+def train_steps(built, meter, optim_cfg, steps: int, rank: int):
+    """(losses, the last step's gradients as full tensors, peak offloaded bytes) of a few
+    optimizer steps on seeded batches, offload hooks on, the offloader closed at the end."""
+    from offload.apply import close_offloader, offload_micro_batch
+    from trainer.model import lm_loss
+    from trainer.optim import build_optimizer
+
+    optimizer = build_optimizer(built.model, optim_cfg)
+    losses, offloaded = [], 0
+    try:
+        for step in range(steps):
+            tokens = batch(step, rank)
+            with offload_micro_batch(built.offloader):
+                with meter.measure():
+                    loss = lm_loss(built.model, tokens[:, :-1], tokens[:, 1:])
+                loss.backward()
+            if built.offloader is not None:
+                offloaded = max(offloaded, built.offloader.stats.offloaded_bytes)
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                     .clone() for n, p in built.model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+    finally:
+        close_offloader(built.offloader)
+    return torch.stack(losses), grads, offloaded

@@ -50,6 +50,7 @@ def test_config_keys_are_frozen() -> None:
         "model.n_kv_heads", "model.vocab_size", "model.ffn_hidden", "model.max_seq_len",
         "model.norm_eps", "model.rope_theta", "model.dropout", "model.tie_embeddings",
         "model.block_pattern", "model.path", "model.hf_config", "model.attn_implementation",
+        "model.freeze",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
         "data.max_corpus_bytes",
         "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",

@@ -10,8 +10,7 @@ pytest.importorskip("transformers")
 
 from checkpointing.saved import SavedBytesMeter  # noqa: E402
 from launch.env import init_distributed, read_env, shutdown  # noqa: E402
-from offload.apply import close_offloader, offload_micro_batch  # noqa: E402
-from tests.checkpoint_harness import batch  # noqa: E402
+from tests.checkpoint_harness import batch, train_steps  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.helpers import config  # noqa: E402
 from trainer.build import build_model  # noqa: E402
@@ -37,22 +36,8 @@ def _train_steps(arch: str, overrides: list[str], steps: int = 3, rank: int = 0)
     meter = SavedBytesMeter()
     torch.manual_seed(7 + rank)  # dropout masks: the same sequence for every policy
     built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter)
-    optimizer = build_optimizer(built.model, cfg.optim)
-    losses = []
-    try:
-        for step in range(steps):
-            tokens = batch(step, rank)
-            with offload_micro_batch(built.offloader), meter.measure():
-                loss = lm_loss(built.model, tokens[:, :-1], tokens[:, 1:])
-                loss.backward()
-            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                     .clone() for n, p in built.model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
-    finally:
-        close_offloader(built.offloader)
-    return torch.stack(losses), grads, [p.recompute for p in built.plan], meter.peak
+    losses, grads, _ = train_steps(built, meter, cfg.optim, steps, rank)
+    return losses, grads, [p.recompute for p in built.plan], meter.peak
 
 
 def _all_policies(rank: int, world_size: int) -> dict:
@@ -106,3 +91,101 @@ def test_bad_hf_settings_name_the_key(overrides, message) -> None:
     with pytest.raises(ConfigError) as caught:
         validate(config(*overrides), world_size=1, num_nodes=1)
     assert str(caught.value) == message
+
+
+def _tiny_llama_folder(folder) -> "torch.nn.Module":
+    """A tiny Llama saved as Hugging Face saves models (the pretrained-path input)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(3)
+    reference = AutoModelForCausalLM.from_config(hf_cfg).eval()
+    reference.save_pretrained(folder)
+    return reference
+
+
+def _logits_of_loaded(rank: int, world_size: int, folder: str, tokens: torch.Tensor):
+    cfg = config("model=hf", f"model.path={folder}", "data.seq_len=64",
+                 "train.micro_batch_size=4", "checkpointing=full")
+    built = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    built.model.eval()
+    with torch.no_grad():
+        return built.model(tokens)
+
+
+def test_pretrained_folder_loads_into_sharded_ranks_with_the_same_logits(tmp_path) -> None:
+    reference = _tiny_llama_folder(tmp_path / "tiny")
+    tokens = batch(0)[:, :-1]
+    with torch.no_grad():
+        expected = reference(input_ids=tokens).logits
+    for logits in spawn(_logits_of_loaded, 2, str(tmp_path / "tiny"), tokens):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_trained_checkpoint_exports_to_a_folder_hugging_face_loads(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import QUICK, REPO, check_ok, run_trainer
+    from trainer.export import main as export_main
+
+    run_dir, out = tmp_path / "run", tmp_path / "export"
+    check_ok(run_trainer([*QUICK, "model=hf", LLAMA, "train.steps=3", "checkpointing=selective",
+                          f"hydra.run.dir={run_dir}"], REPO, nproc=2))
+    assert export_main([str(run_dir), "--out", str(out)]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tokens = batch(1)[:, :-1]
+    with torch.no_grad():
+        expected = loaded(input_ids=tokens).logits
+    # Our model, loading the exported folder the way it loads any pretrained one.
+    logits = spawn(_logits_of_loaded, 1, str(out), tokens)[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, _random_init_logits(tokens))  # it is the trained model
+
+
+def _random_init_logits(tokens: torch.Tensor) -> torch.Tensor:
+    from trainer.hf import build_hf_on_meta
+
+    cfg = config("model=hf", LLAMA).model
+    model = build_hf_on_meta(cfg.hf_config, None)
+    model.to_empty(device="cpu")
+    for name, param in model.named_parameters():
+        model.init_param(name, param.data, torch.Generator().manual_seed(0))
+    model.reset_buffers()
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+def _frozen_fine_tune(rank: int, world_size: int):
+    cfg = config(*SMALL, LLAMA, "checkpointing=full",
+                 "model.freeze=[hf.model.embed_tokens.*,hf.model.layers.0.*]")
+    built = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    before = {n: p.full_tensor().clone() for n, p in built.model.named_parameters()}
+    optimizer = build_optimizer(built.model, cfg.optim)
+    for step in range(2):
+        tokens = batch(step, rank)
+        lm_loss(built.model, tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = {n: p.full_tensor() for n, p in built.model.named_parameters()}
+    flags = {n: p.requires_grad for n, p in built.model.named_parameters()}
+    return before, after, flags, len(optimizer.state)
+
+
+def test_frozen_subset_stays_unchanged_with_checkpointing_on() -> None:
+    for before, after, flags, with_state in spawn(_frozen_fine_tune, 2):
+        frozen = [n for n, trainable in flags.items() if not trainable]
+        assert frozen and all(".embed_tokens." in n or ".layers.0." in n for n in frozen)
+        assert len(frozen) == 1 + 9  # embeddings + layer 0's 7 matrices and 2 norms
+        for name in before:
+            changed = not torch.equal(before[name], after[name])
+            assert changed == flags[name], name
+        assert with_state == len(flags) - len(frozen)  # no optimizer state for frozen ones
+
+
+def test_freeze_pattern_that_matches_nothing_names_the_setting() -> None:
+    cfg = config(*SMALL, LLAMA, "model.freeze=[model.layers.*]")
+    with pytest.raises(ConfigError, match=r"model.freeze: 'model.layers.\*' matches no "
+                                          r"parameter; names look like hf.model.embed_tokens"):
+        build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())

@@ -10,13 +10,10 @@ import torch
 
 from checkpointing.saved import SavedBytesMeter
 from launch.env import init_distributed, read_env, shutdown
-from offload.apply import close_offloader, offload_micro_batch
-from tests.checkpoint_harness import POLICIES, SMALL, batch
+from tests.checkpoint_harness import POLICIES, SMALL, train_steps
 from tests.dist import spawn
 from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
 from trainer.build import build_model
-from trainer.model import lm_loss
-from trainer.optim import build_optimizer
 
 TARGETS = ("none", "cpu", "disk")
 
@@ -26,25 +23,8 @@ def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
     meter = SavedBytesMeter()
     torch.manual_seed(7 + rank)
     built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=run_dir)
-    optimizer = build_optimizer(built.model, cfg.optim)
-    losses, offloaded = [], 0
-    try:
-        for step in range(steps):
-            tokens = batch(step, rank)
-            with offload_micro_batch(built.offloader):
-                with meter.measure():
-                    loss = lm_loss(built.model, tokens[:, :-1], tokens[:, 1:])
-                loss.backward()
-            if built.offloader is not None:
-                offloaded = max(offloaded, built.offloader.stats.offloaded_bytes)
-            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                     .clone() for n, p in built.model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
-    finally:
-        close_offloader(built.offloader)
-    return torch.stack(losses), grads, meter.peak, offloaded, [p.recompute for p in built.plan]
+    losses, grads, offloaded = train_steps(built, meter, cfg.optim, steps, rank)
+    return losses, grads, meter.peak, offloaded, [p.recompute for p in built.plan]
 
 
 def _grid(rank: int, world_size: int, run_dir: str):

@@ -44,6 +44,9 @@ def _run(cfg: DictConfig) -> None:
     except BudgetError as exc:  # known only after profiling the blocks on the device
         cli.report(ConfigError("checkpointing.budget", str(exc)))
         cli.exit_after_error()
+    except ConfigError as exc:  # known only once the model is built (e.g. model.freeze)
+        cli.report(exc)
+        cli.exit_after_error()
     except CheckpointError as exc:  # known only once the checkpoint meets the built model
         cli.report(ConfigError("save.resume", str(exc)))
         cli.exit_after_error()

@@ -6,6 +6,7 @@ Nothing here is specific to Llama: the model contributes `init_param(name, full,
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from offload.apply import apply_offload, build_offloader, offload_dir
 from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
-from trainer.config import Config, ModelConfig
+from trainer.config import Config, ConfigError, ModelConfig
 from trainer.model import LlamaArgs, build_llama, flops_per_token, lm_loss
 
 log = logging.getLogger("trainer")
@@ -58,6 +59,26 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
 
         return build_hf_on_meta(cfg.hf_config, cfg.path, cfg.attn_implementation)
     return build_llama_on_meta(cfg)
+
+
+def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
+    """requires_grad=False for parameters whose name matches a glob; returns how many. Before
+    sharding, so FSDP keeps each one's flag; the optimizer only sees trainable parameters."""
+    if not patterns:
+        return 0
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ConfigError("model.freeze", f"{pattern!r} matches no parameter; names look "
+                              f"like {', '.join(names[:3])}")
+    frozen = 0
+    for name, param in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            param.requires_grad_(False)
+            frozen += 1
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("model.freeze", "freezes every parameter; nothing would train")
+    return frozen
 
 
 def model_flops_per_token(cfg: ModelConfig, model: nn.Module, seq_len: int) -> float:
@@ -181,6 +202,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     root -> real."""
     model = build_on_meta(cfg.model)
     flops = model_flops_per_token(cfg.model, model, cfg.data.seq_len)
+    freeze(model, cfg.model.freeze)
     names, blocks = find_model_blocks(model, cfg.model.block_pattern)
     run_dir = run_dir or cfg.train.out_dir
     plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)

@@ -57,6 +57,9 @@ class ModelConfig:
     path: Optional[str] = None
     hf_config: Optional[Any] = None
     attn_implementation: str = "sdpa"
+    # Parameters to freeze (not trained, no optimizer state): globs over parameter names as the
+    # model names them, e.g. ["hf.model.embed_tokens.*", "hf.model.layers.[0-5].*"].
+    freeze: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 CHECKPOINT is a committed checkpoint folder (`<run dir>/checkpoints/step_<N>`) or a run directory
 (its newest committed checkpoint). Writes DIR/model.safetensors (full, unsharded fp32 weights,
-named as in the model) and DIR/config.json (the model config and where it came from). Runs in one
+named as in the model) and DIR/config.json (the model config and where it came from); for
+`model.arch=hf`, a folder `from_pretrained` loads (HF names and the HF config). Runs in one
 process without a process group, whatever world size wrote the checkpoint; the optimizer state is
 not read.
 """
@@ -55,6 +56,12 @@ def export(folder: str, out: str) -> str:
     with open(os.path.join(folder, STATE)) as f:
         saved = json.load(f)
     tensors = {name: t.contiguous() for name, t in load_model_state(folder).items()}
+    model_cfg = saved["config"]["model"]
+    if model_cfg.get("arch") == "hf":  # back to a folder Hugging Face loads
+        from trainer.hf import save_pretrained
+
+        save_pretrained(tensors, model_cfg.get("hf_config"), model_cfg.get("path"), out)
+        return out
     os.makedirs(out, exist_ok=True)
     step = saved["progress"]["step"]
     save_file(tensors, os.path.join(out, "model.safetensors"),

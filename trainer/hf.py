@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 from typing import Any, Iterator, Mapping, Optional
 
@@ -152,8 +151,10 @@ def build_hf_on_meta(hf_config: Any, path: Optional[str], dropout: Optional[floa
     return HFCausalLM(model, checkpoint=path)
 
 
-def save_pretrained(model_state: Mapping[str, torch.Tensor], config_json: str, out: str) -> None:
-    """Write a HF-loadable folder: config.json + model.safetensors (names without the wrapper)."""
+def save_pretrained(model_state: Mapping[str, torch.Tensor], hf_config: Any,
+                    path: Optional[str], out: str) -> None:
+    """Write a folder `from_pretrained` loads: config.json (the HF config the model was built
+    from) and model.safetensors (the parameters under their HF names)."""
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
@@ -161,4 +162,4 @@ def save_pretrained(model_state: Mapping[str, torch.Tensor], config_json: str, o
              for k, v in model_state.items()}
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
-        f.write(json.dumps(json.loads(config_json), indent=2))
+        f.write(_hf_config(hf_config, path).to_json_string())

@@ -163,8 +163,8 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
 
     train_set, val_set, _ = build_datasets(
-        cfg.data.source, cfg.data.seq_len, model_vocab_size(cfg.model), t.seed, cfg.data.train_path,
-        cfg.data.val_path, cfg.data.token_dtype, cfg.data.max_corpus_bytes)
+        cfg.data.source, cfg.data.seq_len, model_vocab_size(cfg.model), t.seed,
+        cfg.data.train_path, cfg.data.val_path, cfg.data.token_dtype, cfg.data.max_corpus_bytes)
     val_data = _to(val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
                                denv.world_size), device)
 
