@@ -40,6 +40,12 @@ TINY = ["model.dropout=0", "checkpointing.profile_repeats=1", "data.seq_len=128"
         "train.micro_batch_size=8"]
 SMALL = TINY + ["model.dim=256", "model.n_layers=6", "model.n_heads=8", "model.n_kv_heads=4",
                 "model.ffn_hidden=768", "train.micro_batch_size=4"]
+# A Hugging Face Llama of the tiny model's shape, built from its config (model=hf).
+HF = ["model.dropout=0", "checkpointing.profile_repeats=1", "data.seq_len=128",
+      "train.micro_batch_size=8", "model=hf",
+      "model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 128, "
+      "intermediate_size: 384, num_hidden_layers: 4, num_attention_heads: 4, "
+      "num_key_value_heads: 2, max_position_embeddings: 512}"]
 POLICIES = [["checkpointing=none"], ["checkpointing=full"], ["checkpointing=selective"],
             ["checkpointing=budget", "checkpointing.budget=0.45"]]
 # Measured agreement on CPU is within 0.3% (activations) and 0.7% (peak); these leave room for
@@ -171,14 +177,14 @@ def _assert_close(predicted: int, measured: int, tolerance: float, what: str) ->
     assert abs(error) <= tolerance, f"{what}: {predicted} vs {measured} ({100 * error:+.2f}%)"
 
 
-@pytest.mark.parametrize("model", ["tiny", "small"])
+@pytest.mark.parametrize("model", ["tiny", "small", "hf"])
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p[0].split("=")[1])
 def test_predicted_memory_matches_a_real_cpu_step(world_of_one, model, policy) -> None:
     """Activation bytes kept at the end of the forward, and the peak of all live tensor bytes
     (parameters, gradients, optimizer state, FSDP's unsharded copies, activations) of a step
     with FSDP on a world of one. For budget, the prediction is for the plan the trainer chose
     (its costs come from CPU timings, the report's from FLOPs, so their plans can differ)."""
-    overrides = (TINY if model == "tiny" else SMALL) + policy
+    overrides = {"tiny": TINY, "small": SMALL, "hf": HF}[model] + policy
     measured = _measured_step(overrides)
     predicted = _predicted(overrides, measured["plan"])
     _assert_close(predicted.end_of_forward, measured["act_saved_bytes"], ACTIVATION_TOLERANCE,

@@ -66,6 +66,24 @@ def _hf_config(hf_config: Any, path: Optional[str]):
                            f"this transformers knows ({exc.__class__.__name__})") from exc
 
 
+@contextlib.contextmanager
+def _masks_as_in_training() -> Iterator[None]:
+    """HF looks at position values to detect packed sequences; under fake tensors it cannot,
+    assumes packing, builds an explicit mask, and SDPA would be traced on its masked path
+    (keeping a T x T matrix). A training batch (one sequence per row) has no packing and takes
+    the causal kernel; say so while tracing. Left alone where transformers lacks the function."""
+    import transformers.masking_utils as masking
+
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        if original is not None:
+            masking.find_packed_sequence_indices = original
+
+
 class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, checkpoint: Optional[str] = None) -> None:
         super().__init__()
@@ -81,7 +99,7 @@ class HFCausalLM(nn.Module):
             # fake tensors it recognises as tracing (shapes only, like meta).
             from torch._subclasses.fake_tensor import FakeTensorMode
 
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with FakeTensorMode(allow_non_fake_inputs=True), _masks_as_in_training():
                 return self.hf(input_ids=tokens, use_cache=False).logits
         return self.hf(input_ids=tokens, use_cache=False).logits
 
