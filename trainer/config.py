@@ -191,38 +191,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-def _hf_fields(m: ModelConfig) -> dict:
-    """The HF config's fields as given (hf_config) or saved (path/config.json)."""
-    if m.path:
-        with open(os.path.join(m.path, "config.json")) as f:
-            return json.load(f)
-    return dict(m.hf_config or {})
-
-
-def model_vocab_size(m: ModelConfig) -> int:
-    if m.arch != "hf":
-        return m.vocab_size
-    # 32000 is what transformers' Llama config defaults to when vocab_size is not given.
-    return int(_hf_fields(m).get("vocab_size", 32000))
-
-
-def _check_hf(cfg: "Config") -> None:
-    m = cfg.model
-    _require((m.path is None) != (m.hf_config is None), "model.path",
-             "model.arch=hf needs exactly one of model.path=<local folder> or "
-             "model.hf_config={model_type: ..., ...}")
-    if m.path is not None:
-        _require(os.path.isfile(os.path.join(m.path, "config.json")), "model.path",
-                 f"{m.path} has no config.json (a folder written by save_pretrained; nothing "
-                 "is downloaded)")
-    else:
-        _require(isinstance(m.hf_config, dict) and "model_type" in m.hf_config,
-                 "model.hf_config", "must be a mapping with model_type, e.g. "
-                 "{model_type: llama, hidden_size: 128, num_hidden_layers: 2}")
-    _require(m.dropout == 0, "model.dropout",
-             "unused with model.arch=hf; set the HF config's own dropout fields instead")
-
-
 def register_schema() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
 
@@ -382,7 +350,9 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
 
     m = cfg.model
     if m.arch == "hf":
-        _check_hf(cfg)
+        from trainer.hf_settings import check_hf
+
+        check_hf(cfg)
     _require(m.dim % m.n_heads == 0, "model.n_heads",
              f"must divide model.dim={m.dim}, got {m.n_heads}")
     _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
@@ -398,6 +368,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
                  "data.source=tokens needs data.val_path=<file.bin>")
         _check_token_files(cfg.data, m.vocab_size)
     if cfg.data.source == "bytes":
+        from trainer.hf_settings import model_vocab_size
+
         vocab = model_vocab_size(m)
         _require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
                  f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
