@@ -21,7 +21,8 @@ from checkpointing.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
-from trainer.config import Config, Layout, validate
+from trainer.config import Config
+from trainer.validate import Layout, validate
 from trainer.model import lm_loss
 
 

@@ -14,7 +14,8 @@ from tests.checkpoint_harness import batch, train_steps  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.helpers import config  # noqa: E402
 from trainer.build import build_model  # noqa: E402
-from trainer.config import ConfigError, validate  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.validate import validate  # noqa: E402
 from trainer.model import lm_loss  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
 

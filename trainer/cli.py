@@ -12,7 +12,8 @@ import re
 import sys
 from typing import Mapping, Optional, Sequence, get_type_hints
 
-from trainer.config import Config, ConfigError, Layout, register_schema, validate  # noqa: F401
+from trainer.config import Config, ConfigError, register_schema  # noqa: F401
+from trainer.validate import Layout, validate  # noqa: F401
 from trainer.rundir import register_resolver
 
 USAGE_ERROR = 2

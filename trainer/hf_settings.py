@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from trainer.config import Config, ModelConfig, _require
+from trainer.config import Config, ModelConfig
+from trainer.validate import require
 
 
 def hf_fields(m: ModelConfig) -> dict:
@@ -27,16 +28,16 @@ def model_vocab_size(m: ModelConfig) -> int:
 
 def check_hf(cfg: Config) -> None:
     m = cfg.model
-    _require((m.path is None) != (m.hf_config is None), "model.path",
+    require((m.path is None) != (m.hf_config is None), "model.path",
              "model.arch=hf needs exactly one of model.path=<local folder> or "
              "model.hf_config={model_type: ..., ...}")
     if m.path is not None:
-        _require(os.path.isfile(os.path.join(m.path, "config.json")), "model.path",
+        require(os.path.isfile(os.path.join(m.path, "config.json")), "model.path",
                  f"{m.path} has no config.json (a folder written by save_pretrained; nothing "
                  "is downloaded)")
     else:
-        _require(isinstance(m.hf_config, dict) and "model_type" in m.hf_config,
+        require(isinstance(m.hf_config, dict) and "model_type" in m.hf_config,
                  "model.hf_config", "must be a mapping with model_type, e.g. "
                  "{model_type: llama, hidden_size: 128, num_hidden_layers: 2}")
-    _require(m.dropout == 0, "model.dropout",
+    require(m.dropout == 0, "model.dropout",
              "unused with model.arch=hf; set the HF config's own dropout fields instead")

@@ -26,7 +26,8 @@ from offload.engine import Offloader
 from launch.env import DistEnv, init_distributed, read_env, shutdown
 from sharding.fsdp import reshard_all, set_grad_sync
 from trainer.build import Built, build_model
-from trainer.config import Config, Layout
+from trainer.config import Config
+from trainer.validate import Layout
 from trainer.hf_settings import model_vocab_size
 from trainer.data import build_datasets, train_batch, val_batches
 from trainer.model import lm_loss

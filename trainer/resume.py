@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from trainer.config import Config, Layout
+from trainer.config import Config
+from trainer.validate import Layout
 from trainer.state import Checkpointer, Loaded
 from trainer.wandb_log import RUN_ID_FILE
 

@@ -1,0 +1,206 @@
+"""Checks of a composed config that types cannot express: ranges, choices, files, and the
+data-parallel layout against the world size. Each failure is a `ConfigError` naming the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+from trainer.config import CHOICES, DTYPES, SIGNALS, Config, ConfigError, DataConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What validation derives from the config and the world: the data-parallel layout."""
+
+    world_size: int
+    replicate: int  # HSDP replica groups (1 for fsdp / none)
+    shard: int  # ranks a parameter is sharded over
+    grad_accum: int
+    global_batch_size: int  # sequences per optimizer step
+
+
+def _get(cfg: Config, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(key, message)
+
+
+def _check_token_files(data: DataConfig, vocab_size: int) -> None:
+    for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
+        require(os.path.isfile(path), key, f"no such file: {path}")
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(data.train_path)), "meta.json")
+    if os.path.isfile(meta_path):  # written by `python -m trainer.tokenize`; other tools have none
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("data.train_path", f"unreadable {meta_path}: {exc}") from exc
+        dtype = meta.get("dtype", data.token_dtype)
+        require(dtype == data.token_dtype, "data.token_dtype",
+                 f"{data.token_dtype} but {meta_path} says the files are {dtype}")
+        data_vocab = int(meta.get("vocab_size", 0))
+        require(data_vocab <= vocab_size, "model.vocab_size",
+                 f"{vocab_size} is smaller than the tokenizer's vocabulary {data_vocab} "
+                 f"({meta_path})")
+    width = 2 if data.token_dtype == "uint16" else 4
+    for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
+        num_tokens = os.path.getsize(path) // width
+        require(num_tokens > data.seq_len, key,
+                 f"{path} holds {num_tokens} tokens, fewer than one sample of data.seq_len+1="
+                 f"{data.seq_len + 1}; lower data.seq_len or add data")
+
+
+def _check_writable(path: str, key: str) -> None:
+    """The nearest existing folder on the way to `path` must be writable, so the run can create it."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    writable = os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
+    if writable:  # access() says yes to root even on read-only file systems: really try
+        try:
+            fd, name = tempfile.mkstemp(prefix=".blocktrain-probe-", dir=probe)
+            os.close(fd)
+            os.unlink(name)
+        except OSError:
+            writable = False
+    require(writable, key, f"{path} is not writable (checked {probe}); choose a writable folder")
+
+
+def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
+    """Checks every value a type cannot, against the world this run will have."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        require(value in allowed, key, f"got {value!r}; choose one of {', '.join(allowed)}")
+    positive = ("model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                "model.vocab_size", "model.ffn_hidden", "model.max_seq_len", "data.seq_len",
+                "data.max_corpus_bytes", "train.steps", "train.micro_batch_size",
+                "train.grad_accum", "train.eval_every", "train.eval_batches",
+                "train.dist_timeout_s", "logging.every", "checkpointing.every",
+                "checkpointing.profile_repeats")
+    for key in positive:
+        value = _get(cfg, key)
+        require(value > 0, key, f"must be a positive integer, got {value}")
+    for key in ("optim.lr", "model.norm_eps", "model.rope_theta", "logging.wandb_init_timeout_s"):
+        value = _get(cfg, key)
+        require(value > 0, key, f"must be > 0, got {value}")
+    for key in ("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.eps"):
+        value = _get(cfg, key)
+        require(value >= 0, key, f"must be >= 0, got {value}")
+    for key in ("model.dropout", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"):
+        value = _get(cfg, key)
+        require(0 <= value <= 1, key, f"must be between 0 and 1, got {value}")
+    require(cfg.model.dropout < 1, "model.dropout", "must be below 1")
+    for key in ("sharding.param_dtype", "sharding.reduce_dtype"):
+        value = _get(cfg, key)
+        require(value is None or value in DTYPES, key,
+                 f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
+
+    c = cfg.checkpointing
+    if c.policy == "budget":
+        require(c.budget is not None and c.budget > 0, "checkpointing.budget",
+                 "checkpointing=budget needs checkpointing.budget=<bytes per rank, or a fraction "
+                 "<= 1 of the activation memory without checkpointing>")
+    else:
+        require(c.budget is None, "checkpointing.budget",
+                 f"only applies to checkpointing=budget (now checkpointing={c.policy})")
+    if c.policy == "selective":
+        require(len(c.save_ops) > 0, "checkpointing.save_ops",
+                 "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")
+
+    o = cfg.offload
+    for key in ("offload.min_bytes", "offload.keep_last"):
+        require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
+    for key in ("offload.max_host_bytes", "offload.max_inflight_bytes"):
+        require(_get(cfg, key) > 0, key, f"must be a positive number of bytes, got {_get(cfg, key)}")
+    require(not (cfg.train.compile and o.target != "none"), "train.compile",
+             f"true does not combine with offload={o.target} yet (saved-tensor hooks inside "
+             "compiled blocks); set train.compile=false or offload=none")
+    if o.target == "disk":
+        _check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
+    require(cfg.train.stop_at_step is None or 0 < cfg.train.stop_at_step, "train.stop_at_step",
+             f"must be null or a positive step, got {cfg.train.stop_at_step}")
+    sv, f = cfg.save, cfg.faults
+    for key in ("save.every", "faults.max_rollbacks"):
+        require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
+    for key in ("save.keep", "faults.max_bad_steps", "faults.spike_window"):
+        require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
+    require(f.spike_factor == 0 or f.spike_factor > 1, "faults.spike_factor",
+             f"must be 0 (off) or above 1, got {f.spike_factor}")
+    require(sv.signal is None or sv.signal in SIGNALS, "save.signal",
+             f"got {sv.signal!r}; choose null or one of {', '.join(SIGNALS)}")
+    require(0 < sv.preempt_exit_code < 256, "save.preempt_exit_code",
+             f"must be an exit status 1..255, got {sv.preempt_exit_code}")
+    if sv.dir is not None:
+        _check_writable(sv.dir, "save.dir")
+    if cfg.sharding.cpu_offload:
+        require(cfg.sharding.mode != "none", "sharding.cpu_offload",
+                 "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")
+
+    m = cfg.model
+    if m.arch == "hf":
+        from trainer.hf_settings import check_hf
+
+        check_hf(cfg)
+    require(m.dim % m.n_heads == 0, "model.n_heads",
+             f"must divide model.dim={m.dim}, got {m.n_heads}")
+    require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
+             f"head size model.dim/model.n_heads={m.dim // m.n_heads} must be even (rotary)")
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+             f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len",
+             f"{cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.data.source == "tokens":
+        require(bool(cfg.data.train_path), "data.train_path",
+                 "data.source=tokens needs data.train_path=<file.bin> (see python -m trainer.tokenize)")
+        require(bool(cfg.data.val_path), "data.val_path",
+                 "data.source=tokens needs data.val_path=<file.bin>")
+        _check_token_files(cfg.data, m.vocab_size)
+    if cfg.data.source == "bytes":
+        from trainer.hf_settings import model_vocab_size
+
+        vocab = model_vocab_size(m)
+        require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
+                 f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
+
+    s = cfg.sharding
+    if s.mode == "none":
+        for key in ("sharding.param_dtype", "sharding.reduce_dtype"):
+            require(_get(cfg, key) is None, key, "mixed precision needs sharding=fsdp or hsdp")
+    if s.mode != "hsdp":
+        require(s.replicate is None, "sharding.replicate",
+                 f"only applies to sharding=hsdp (now sharding={s.mode})")
+        replicate = 1
+    else:
+        replicate = num_nodes if s.replicate is None else s.replicate
+        require(replicate > 0, "sharding.replicate", f"must be a positive integer, got {replicate}")
+        require(world_size % replicate == 0, "sharding.replicate",
+                 f"{replicate} does not divide the world size {world_size}")
+    shard = world_size // replicate if s.mode != "none" else 1
+
+    t = cfg.train
+    per_accum = t.micro_batch_size * world_size
+    if t.global_batch_size is None:
+        grad_accum = t.grad_accum
+    else:
+        require(t.global_batch_size > 0, "train.global_batch_size",
+                 f"must be a positive integer, got {t.global_batch_size}")
+        require(t.grad_accum == 1, "train.grad_accum",
+                 "set either train.grad_accum or train.global_batch_size, not both")
+        require(t.global_batch_size % per_accum == 0, "train.global_batch_size",
+                 f"{t.global_batch_size} is not divisible by train.micro_batch_size x world size "
+                 f"= {t.micro_batch_size} x {world_size}")
+        grad_accum = t.global_batch_size // per_accum
+    return Layout(world_size=world_size, replicate=replicate, shard=shard,
+                  grad_accum=grad_accum, global_batch_size=per_accum * grad_accum)
