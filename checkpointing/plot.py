@@ -14,6 +14,8 @@ matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from trainer.task import task_for  # noqa: E402
+
 GIB, MIB = 2 ** 30, 2 ** 20
 COLOURS = {"none": "#d62728", "selective": "#ff7f0e", "full": "#1f77b4"}
 
@@ -50,9 +52,10 @@ def plot_plan(outcome, path: str) -> None:
     bars.legend(handles + lines, [h.get_label() for h in handles] + labels, loc="upper left",
                 fontsize=8)
     sc, peak = outcome.scenario, est.peak
+    tokens = task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample
     fig.suptitle(
         f"{sc.cfg.model.name}: world {sc.layout.world_size} ({sc.cfg.sharding.mode}), micro-batch "
-        f"{sc.cfg.train.micro_batch_size} x {sc.cfg.data.seq_len}, checkpointing="
+        f"{sc.cfg.train.micro_batch_size} x {tokens}, checkpointing="
         f"{sc.cfg.checkpointing.policy}\npredicted peak {peak.total / GIB:.2f} GiB per rank, "
         f"during {peak.name}\n= params {peak.params / GIB:.2f} + grads {peak.grads / GIB:.2f} "
         f"+ optimizer {peak.optimizer / GIB:.2f} + unsharded {peak.unsharded / GIB:.2f} "

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from trainer.cli import check, report
 from trainer.config import ConfigError
+from trainer.task import task_for
 
 GIB = 2 ** 30
 DEFAULT_TFLOPS = 400.0
@@ -115,7 +116,8 @@ def summary(outcome) -> dict:
         "world_size": sc.layout.world_size, "nodes": sc.layout.world_size // sc.gpus_per_node,
         "sharding": sc.cfg.sharding.mode, "shard": sc.layout.shard,
         "replicate": sc.layout.replicate, "grad_accum": sc.layout.grad_accum,
-        "micro_batch_size": sc.cfg.train.micro_batch_size, "seq_len": sc.cfg.data.seq_len,
+        "micro_batch_size": sc.cfg.train.micro_batch_size,
+        "tokens_per_sample": task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample,
         "param_dtype": sc.cfg.sharding.param_dtype, "policy": sc.cfg.checkpointing.policy,
         "per_rank_bytes": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                            "activation_peak": est.activation_peak,
@@ -135,6 +137,7 @@ def summary(outcome) -> dict:
 
 def table(outcome, tflops: float) -> str:
     est, sc = outcome.estimate, outcome.scenario
+    tokens = task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample
     lines = [f"{'block':<22} {'option':<10} {'saved MiB':>11} {'recompute GFLOP':>16}"]
     for name, row in collapse(block_rows(outcome)):
         lines.append(f"{name:<22} {row['recompute']:<10} {row['saved_bytes'] / 2**20:>11.2f} "
@@ -145,7 +148,7 @@ def table(outcome, tflops: float) -> str:
         "",
         f"per rank: world {sc.layout.world_size} ({sc.cfg.sharding.mode}, shard "
         f"{sc.layout.shard} x replicate {sc.layout.replicate}), micro-batch "
-        f"{sc.cfg.train.micro_batch_size} x {sc.cfg.data.seq_len} tokens, grad_accum "
+        f"{sc.cfg.train.micro_batch_size} x {tokens} tokens, grad_accum "
         f"{sc.layout.grad_accum}, param dtype {dtype}",
         f"  {'parameters (this rank' + chr(39) + 's shard)':<39} {peak.params / GIB:>9.2f} GiB",
         f"  {'gradients (at the peak)':<39} {peak.grads / GIB:>9.2f} GiB"

@@ -23,7 +23,7 @@ from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config
 from trainer.validate import Layout, validate
-from trainer.model import lm_loss
+from trainer.task import task_for
 
 
 
@@ -110,10 +110,11 @@ class Evaluator:
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
-            tokens = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long,
-                                 device="meta")
+            task = task_for(cfg.model, cfg.data)
+            inputs, targets = task.example(cfg.train.micro_batch_size)
             names_ops = list(cfg.checkpointing.save_ops)
-            profile = profile_on_meta(model, names, blocks, lambda m: lm_loss(m, tokens, tokens),
+            profile = profile_on_meta(model, names, blocks,
+                                      lambda m: task.loss(m, inputs, targets),
                                       resolve_ops(names_ops), names_ops)
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]

@@ -17,26 +17,35 @@ def batch(step: int, rank: int = 0, size: int = 4, seq: int = 64) -> torch.Tenso
     return torch.randint(0, 256, (size, seq + 1), generator=g)
 
 
-def train_steps(built, meter, optim_cfg, steps: int, rank: int):
+def token_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = batch(step, rank)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_steps(built, meter, optim_cfg, steps: int, rank: int, make_batch=token_batch,
+                loss_fn=None):
     """(losses, the last step's gradients as full tensors, peak offloaded bytes) of a few
-    optimizer steps on seeded batches, offload hooks on, the offloader closed at the end."""
+    optimizer steps on seeded batches (`make_batch(step, rank)`; next-token loss unless
+    `loss_fn` is given), offload hooks on, the offloader closed at the end."""
     from offload.apply import close_offloader, offload_micro_batch
     from trainer.model import lm_loss
     from trainer.optim import build_optimizer
 
+    loss_fn = loss_fn or lm_loss
     optimizer = build_optimizer(built.model, optim_cfg)
     losses, offloaded = [], 0
     try:
         for step in range(steps):
-            tokens = batch(step, rank)
+            inputs, targets = make_batch(step, rank)
             with offload_micro_batch(built.offloader):
                 with meter.measure():
-                    loss = lm_loss(built.model, tokens[:, :-1], tokens[:, 1:])
+                    loss = loss_fn(built.model, inputs, targets)
                 loss.backward()
             if built.offloader is not None:
                 offloaded = max(offloaded, built.offloader.stats.offloaded_bytes)
             grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                     .clone() for n, p in built.model.named_parameters()}
+                     .clone() for n, p in built.model.named_parameters()
+                     if p.grad is not None}
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach().clone())

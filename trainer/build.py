@@ -30,7 +30,8 @@ from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
 from trainer.config import Config, ConfigError, ModelConfig
-from trainer.model import LlamaArgs, build_llama, flops_per_token, lm_loss
+from trainer.model import LlamaArgs, build_llama, flops_per_token
+from trainer.task import task_for
 
 log = logging.getLogger("trainer")
 
@@ -52,12 +53,25 @@ def build_llama_on_meta(cfg: ModelConfig) -> nn.Module:
     return build_llama(llama_args(cfg), device="meta")
 
 
+def vit_args(cfg: ModelConfig):
+    from trainer.vit import ViTArgs
+
+    return ViTArgs(image_size=cfg.image_size, patch_size=cfg.patch_size, channels=cfg.channels,
+                   num_classes=cfg.num_classes, dim=cfg.dim, n_layers=cfg.n_layers,
+                   n_heads=cfg.n_heads, ffn_hidden=cfg.ffn_hidden, norm_eps=cfg.norm_eps,
+                   dropout=cfg.dropout)
+
+
 def build_on_meta(cfg: ModelConfig) -> nn.Module:
     """The model of `model.arch`, parameters on the meta device."""
     if cfg.arch == "hf":
         from trainer.hf import build_hf_on_meta
 
         return build_hf_on_meta(cfg.hf_config, cfg.path, cfg.attn_implementation)
+    if cfg.arch == "vit":
+        from trainer.vit import build_vit
+
+        return build_vit(vit_args(cfg), device="meta")
     return build_llama_on_meta(cfg)
 
 
@@ -81,11 +95,11 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
     return frozen
 
 
-def model_flops_per_token(cfg: ModelConfig, model: nn.Module, seq_len: int) -> float:
+def model_flops_per_token(cfg: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
     """Training FLOPs per token for MFU (see trainer/model.py's flops_per_token)."""
-    if cfg.arch == "hf":
-        return model.flops_per_token(seq_len)
-    return flops_per_token(llama_args(cfg), seq_len)
+    if cfg.arch in ("hf", "vit"):
+        return model.flops_per_token(tokens_per_sample)
+    return flops_per_token(llama_args(cfg), tokens_per_sample)
 
 
 def default_init(name: str, full: torch.Tensor, generator: torch.Generator) -> None:
@@ -164,9 +178,9 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         return choose_plan("none", names, shard), None, 0, None
     payload = [None]
     if denv.rank == 0:
-        tokens = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long,
-                             device="meta")
-        trace = trace_on_meta(model, blocks, lambda m: lm_loss(m, tokens, tokens))
+        task = task_for(cfg.model, cfg.data)
+        inputs, targets = task.example(cfg.train.micro_batch_size)
+        trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, denv.device, resolve_ops(c.save_ops),
                                   c.profile_repeats)
         payload = [(profiles, trace.rest_saved_bytes)]
@@ -201,7 +215,8 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     """Meta model -> blocks -> plan -> per block: checkpoint, offload hooks, compile, shard ->
     root -> real."""
     model = build_on_meta(cfg.model)
-    flops = model_flops_per_token(cfg.model, model, cfg.data.seq_len)
+    flops = model_flops_per_token(cfg.model, model,
+                                  task_for(cfg.model, cfg.data).tokens_per_sample)
     freeze(model, cfg.model.freeze)
     names, blocks = find_model_blocks(model, cfg.model.block_pattern)
     run_dir = run_dir or cfg.train.out_dir

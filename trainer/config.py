@@ -58,12 +58,19 @@ class ModelConfig:
     # Parameters to freeze (not trained, no optimizer state): globs over parameter names as the
     # model names them, e.g. ["hf.model.embed_tokens.*", "hf.model.layers.[0-5].*"].
     freeze: List[str] = field(default_factory=list)
+    # arch=vit (image classification; dim, n_layers, n_heads, ffn_hidden, dropout apply too):
+    # square images of image_size pixels cut into patch_size patches.
+    image_size: int = 224
+    patch_size: int = 16
+    channels: int = 3
+    num_classes: int = 10
 
 
 @dataclass
 class DataConfig:
-    source: str = "bytes"  # bytes | tokens | synthetic
+    source: str = "bytes"  # bytes | tokens | synthetic (text); images | synthetic_images (vit)
     seq_len: int = 256
+    # tokens: the .bin files; images: folders of <class>/<image> (the same classes in both)
     train_path: Optional[str] = None
     val_path: Optional[str] = None
     token_dtype: str = "uint16"
@@ -195,8 +202,8 @@ def register_schema() -> None:
 
 DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
-    "model.arch": ("llama", "hf"),
-    "data.source": ("bytes", "tokens", "synthetic"),
+    "model.arch": ("llama", "hf", "vit"),
+    "data.source": ("bytes", "tokens", "synthetic", "images", "synthetic_images"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),
     "sharding.mode": ("fsdp", "hsdp", "none"),

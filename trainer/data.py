@@ -37,7 +37,7 @@ class Windows(Protocol):
 
     num_windows: int
 
-    def __getitem__(self, index: int) -> torch.Tensor: ...
+    def __getitem__(self, index: int): ...  # a token window, or an (image, label) pair
 
 
 # ---------------------------------------------------------------- sources
@@ -200,7 +200,11 @@ def _epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
 
 
 def _stack(dataset: Windows, window_ids: np.ndarray) -> Batch:
-    windows = torch.stack([dataset[int(k)] for k in window_ids])
+    items = [dataset[int(k)] for k in window_ids]
+    if isinstance(items[0], tuple):  # (image, label) samples (trainer/images.py)
+        return (torch.stack([x for x, _ in items]),
+                torch.tensor([y for _, y in items], dtype=torch.long))
+    windows = torch.stack(items)  # token windows: inputs, and targets shifted by one
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 

@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.model import lm_loss
-
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -102,16 +100,17 @@ class LossGuard:
         self.bad_in_a_row = 0
 
 
-def injected_loss(batch_index: int, nan_at: Sequence[int], spike_at: Sequence[int],
-                  hang_at: Sequence[int], hang_s: float, rank: int, world_size: int) -> LossFn:
-    """The loss to use for this batch: lm_loss, or a fault injected for tests and drills."""
+def injected_loss(loss_fn: LossFn, batch_index: int, nan_at: Sequence[int],
+                  spike_at: Sequence[int], hang_at: Sequence[int], hang_s: float, rank: int,
+                  world_size: int) -> LossFn:
+    """The loss to use for this batch: loss_fn, or a fault injected for tests and drills."""
     if batch_index in hang_at and rank == world_size - 1:
         time.sleep(hang_s)  # the other ranks' next collective must time out, naming itself
     if batch_index in nan_at:
-        return lambda model, x, y: lm_loss(model, x, y) * float("nan")
+        return lambda model, x, y: loss_fn(model, x, y) * float("nan")
     if batch_index in spike_at:
-        return lambda model, x, y: lm_loss(model, x, y) * 100.0
-    return lm_loss
+        return lambda model, x, y: loss_fn(model, x, y) * 100.0
+    return loss_fn
 
 
 class CollectiveFailure(RuntimeError):

@@ -29,15 +29,15 @@ def model_vocab_size(m: ModelConfig) -> int:
 def check_hf(cfg: Config) -> None:
     m = cfg.model
     require((m.path is None) != (m.hf_config is None), "model.path",
-             "model.arch=hf needs exactly one of model.path=<local folder> or "
-             "model.hf_config={model_type: ..., ...}")
+            "model.arch=hf needs exactly one of model.path=<local folder> or "
+            "model.hf_config={model_type: ..., ...}")
     if m.path is not None:
         require(os.path.isfile(os.path.join(m.path, "config.json")), "model.path",
-                 f"{m.path} has no config.json (a folder written by save_pretrained; nothing "
-                 "is downloaded)")
+                f"{m.path} has no config.json (a folder written by save_pretrained; nothing "
+                "is downloaded)")
     else:
         require(isinstance(m.hf_config, dict) and "model_type" in m.hf_config,
-                 "model.hf_config", "must be a mapping with model_type, e.g. "
-                 "{model_type: llama, hidden_size: 128, num_hidden_layers: 2}")
+                "model.hf_config", "must be a mapping with model_type, e.g. "
+                "{model_type: llama, hidden_size: 128, num_hidden_layers: 2}")
     require(m.dropout == 0, "model.dropout",
-             "unused with model.arch=hf; set the HF config's own dropout fields instead")
+            "unused with model.arch=hf; set the HF config's own dropout fields instead")

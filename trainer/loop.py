@@ -29,8 +29,9 @@ from trainer.build import Built, build_model
 from trainer.config import Config
 from trainer.validate import Layout
 from trainer.hf_settings import model_vocab_size
-from trainer.data import build_datasets, train_batch, val_batches
+from trainer.data import train_batch, val_batches
 from trainer.model import lm_loss
+from trainer.task import Task, build_task_datasets, task_for
 from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
 from trainer.metrics import RunLogger, peak_flops, peak_memory_bytes
@@ -79,14 +80,21 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[Batch]) -> float:
+def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task) -> dict[str, float]:
+    """val_loss, and val_accuracy (top-1) for classification, over every rank's batches."""
     model.eval()
-    total = torch.zeros((), device=batches[0][0].device)
+    loss = torch.zeros((), device=batches[0][0].device)
+    correct = torch.zeros_like(loss)
     for inputs, targets in batches:
-        total += lm_loss(model, inputs, targets)
+        batch_loss, batch_correct = task.eval_batch(model, inputs, targets)
+        loss += batch_loss
+        correct += batch_correct
     reshard_all(model)
     model.train()
-    return mean_over_ranks(total / len(batches))
+    metrics = {"val_loss": mean_over_ranks(loss / len(batches))}
+    if task.kind == "classification":
+        metrics["val_accuracy"] = mean_over_ranks(correct / len(batches))
+    return metrics
 
 
 def _to(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
@@ -164,9 +172,9 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
 
-    train_set, val_set, _ = build_datasets(
-        cfg.data.source, cfg.data.seq_len, model_vocab_size(cfg.model), t.seed,
-        cfg.data.train_path, cfg.data.val_path, cfg.data.token_dtype, cfg.data.max_corpus_bytes)
+    task = task_for(cfg.model, cfg.data)
+    train_set, val_set = build_task_datasets(cfg.model, cfg.data, model_vocab_size(cfg.model),
+                                             t.seed)
     val_data = _to(val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
                                denv.world_size), device)
 
@@ -184,7 +192,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     logger.info(f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x "
                 f"shard {layout.shard}) on {device.type}; {num_params / 1e6:.2f}M parameters; "
                 f"plan: {describe(plan)}; global batch {layout.global_batch_size} x "
-                f"{cfg.data.seq_len} tokens (micro {t.micro_batch_size} x accum "
+                f"{task.tokens_per_sample} tokens (micro {t.micro_batch_size} x accum "
                 f"{layout.grad_accum} x ranks {denv.world_size}); run dir {run_dir}")
     if t.compile:
         logger.info(f"torch.compile: compiled {built.compiled_blocks} blocks (each after its "
@@ -192,7 +200,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
 
     flops = built.flops_per_token
     peak = peak_flops(device)
-    tokens_per_step = layout.global_batch_size * cfg.data.seq_len
+    tokens_per_step = layout.global_batch_size * task.tokens_per_sample
 
     recompute_s = None
     if built.profiles is not None:  # profiled seconds the plan adds, for all micro-batches
@@ -206,7 +214,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     if resumed is not None:
         logger.info(resumed[1])
     else:
-        logger.record({"step": 0, "val_loss": evaluate(model, val_data)})
+        logger.record({"step": 0, **evaluate(model, val_data, task)})
     guard = LossGuard(f.skip_nonfinite, f.max_bad_steps, f.spike_factor, f.spike_window)
     while progress.step < t.steps:
         step = progress.step + 1
@@ -214,9 +222,9 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         micro_batches = _to(train_batch(train_set, progress.batch_index, t.micro_batch_size,
                                         layout.grad_accum, denv.rank, denv.world_size, t.seed),
                             device)
-        loss_fn = injected_loss(progress.batch_index, f.inject_nan_at, f.inject_spike_at,
-                                f.inject_hang_at, 2.0 * t.dist_timeout_s, denv.rank,
-                                denv.world_size)
+        loss_fn = injected_loss(task.loss, progress.batch_index, f.inject_nan_at,
+                                f.inject_spike_at, f.inject_hang_at, 2.0 * t.dist_timeout_s,
+                                denv.rank, denv.world_size)
         lr = scheduler.get_last_lr()[0]
         with _collectives(denv.rank, f"step {step} (forward, backward, gradient reduction)",
                           t.dist_timeout_s):
@@ -236,6 +244,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         if step % cfg.logging.every == 0 or step == t.steps:
             metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                        "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                       "samples_per_s": layout.global_batch_size / step_time,
                        "tokens_seen": progress.tokens_seen,
                        "peak_mem_bytes": peak_memory_bytes(device),
                        "act_saved_bytes": meter.peak}
@@ -248,7 +257,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                 metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
             logger.record(metrics, wandb_step=progress.batch_index)
         if step % t.eval_every == 0 or step == t.steps:
-            logger.record({"step": step, "val_loss": evaluate(model, val_data)},
+            logger.record({"step": step, **evaluate(model, val_data, task)},
                           wandb_step=progress.batch_index)
         with _collectives(denv.rank, f"the end-of-step vote of step {step}", t.dist_timeout_s):
             stop, saved = step_vote([preemption.received is not None, checkpointer.local_done()],

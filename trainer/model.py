@@ -281,10 +281,14 @@ def _init_rule(args: LlamaArgs, name: str) -> tuple[tuple[int, ...], float | Non
     raise KeyError(f"no init rule for parameter {name!r}")
 
 
-def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, computed in fp32 whatever the logits' dtype."""
-    logits = model(inputs)  # [B, T, vocab]
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of [B, T, vocab] logits, computed in fp32 whatever their dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of the model's logits for `inputs`."""
+    return next_token_loss(model(inputs), targets)
 
 
 def build_llama(args: LlamaArgs, device: torch.device | str = "meta") -> Llama:

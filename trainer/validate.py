@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from trainer.config import CHOICES, DTYPES, SIGNALS, Config, ConfigError, DataConfig
 
+IMAGE_SOURCES = ("images", "synthetic_images")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -46,17 +48,17 @@ def _check_token_files(data: DataConfig, vocab_size: int) -> None:
             raise ConfigError("data.train_path", f"unreadable {meta_path}: {exc}") from exc
         dtype = meta.get("dtype", data.token_dtype)
         require(dtype == data.token_dtype, "data.token_dtype",
-                 f"{data.token_dtype} but {meta_path} says the files are {dtype}")
+                f"{data.token_dtype} but {meta_path} says the files are {dtype}")
         data_vocab = int(meta.get("vocab_size", 0))
         require(data_vocab <= vocab_size, "model.vocab_size",
-                 f"{vocab_size} is smaller than the tokenizer's vocabulary {data_vocab} "
-                 f"({meta_path})")
+                f"{vocab_size} is smaller than the tokenizer's vocabulary {data_vocab} "
+                f"({meta_path})")
     width = 2 if data.token_dtype == "uint16" else 4
     for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
         num_tokens = os.path.getsize(path) // width
         require(num_tokens > data.seq_len, key,
-                 f"{path} holds {num_tokens} tokens, fewer than one sample of data.seq_len+1="
-                 f"{data.seq_len + 1}; lower data.seq_len or add data")
+                f"{path} holds {num_tokens} tokens, fewer than one sample of data.seq_len+1="
+                f"{data.seq_len + 1}; lower data.seq_len or add data")
 
 
 def _check_writable(path: str, key: str) -> None:
@@ -76,6 +78,71 @@ def _check_writable(path: str, key: str) -> None:
         except OSError:
             writable = False
     require(writable, key, f"{path} is not writable (checked {probe}); choose a writable folder")
+
+
+def _check_text(cfg: Config) -> None:
+    m = cfg.model
+    if m.arch == "hf":
+        from trainer.hf_settings import check_hf
+
+        check_hf(cfg)
+    require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
+            f"head size model.dim/model.n_heads={m.dim // m.n_heads} must be even (rotary)")
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+            f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len",
+            f"{cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.data.source == "tokens":
+        require(bool(cfg.data.train_path), "data.train_path",
+                "data.source=tokens needs data.train_path=<file.bin> (see python -m trainer.tokenize)")
+        require(bool(cfg.data.val_path), "data.val_path",
+                "data.source=tokens needs data.val_path=<file.bin>")
+        _check_token_files(cfg.data, m.vocab_size)
+    if cfg.data.source == "bytes":
+        from trainer.hf_settings import model_vocab_size
+
+        vocab = model_vocab_size(m)
+        require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
+                f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
+
+
+def _check_images(cfg: Config) -> None:
+    m, d = cfg.model, cfg.data
+    require(m.arch == "vit", "data.source",
+            f"{d.source} are images, which model.arch={m.arch} does not read; use model=vit or "
+            "a text source (data=bytes, tokens or synthetic)")
+    require(d.source in IMAGE_SOURCES, "data.source",
+            f"model.arch=vit classifies images; use data=synthetic_images or data=images "
+            f"(now data.source={d.source})")
+    for key in ("model.image_size", "model.patch_size", "model.num_classes"):
+        require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
+    require(m.image_size % m.patch_size == 0, "model.patch_size",
+            f"must divide model.image_size={m.image_size}, got {m.patch_size}")
+    require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
+    if d.source != "images":
+        return
+    for key in ("data.train_path", "data.val_path"):
+        folder = _get(cfg, key)
+        require(bool(folder) and os.path.isdir(folder), key,
+                f"data.source=images needs {key}=<folder of <class>/<image> folders>, got "
+                f"{folder}")
+    from trainer.images import IMAGE_EXTENSIONS, class_folders, has_image
+
+    classes = {}
+    for key in ("data.train_path", "data.val_path"):
+        root = _get(cfg, key)
+        classes[key] = class_folders(root)
+        require(bool(classes[key]), key, f"{root} has no class folders ({root}/<class>/<image>)")
+    require(len(classes["data.train_path"]) == m.num_classes, "model.num_classes",
+            f"{m.num_classes}, but {d.train_path} has {len(classes['data.train_path'])} class "
+            f"folders; set model.num_classes={len(classes['data.train_path'])}")
+    extra = sorted(set(classes["data.val_path"]) - set(classes["data.train_path"]))
+    require(not extra, "data.val_path", f"class folders {extra} are not in data.train_path")
+    for key in ("data.train_path", "data.val_path"):
+        root = _get(cfg, key)
+        empty = [c for c in classes[key] if not has_image(os.path.join(root, c))]
+        require(not empty, key, f"class folders {empty[:5]} under {root} hold no images "
+                f"({', '.join(IMAGE_EXTENSIONS)})")
 
 
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
@@ -105,19 +172,19 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     for key in ("sharding.param_dtype", "sharding.reduce_dtype"):
         value = _get(cfg, key)
         require(value is None or value in DTYPES, key,
-                 f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
+                f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
 
     c = cfg.checkpointing
     if c.policy == "budget":
         require(c.budget is not None and c.budget > 0, "checkpointing.budget",
-                 "checkpointing=budget needs checkpointing.budget=<bytes per rank, or a fraction "
-                 "<= 1 of the activation memory without checkpointing>")
+                "checkpointing=budget needs checkpointing.budget=<bytes per rank, or a fraction "
+                "<= 1 of the activation memory without checkpointing>")
     else:
         require(c.budget is None, "checkpointing.budget",
-                 f"only applies to checkpointing=budget (now checkpointing={c.policy})")
+                f"only applies to checkpointing=budget (now checkpointing={c.policy})")
     if c.policy == "selective":
         require(len(c.save_ops) > 0, "checkpointing.save_ops",
-                 "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")
+                "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")
 
     o = cfg.offload
     for key in ("offload.min_bytes", "offload.keep_last"):
@@ -125,54 +192,37 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     for key in ("offload.max_host_bytes", "offload.max_inflight_bytes"):
         require(_get(cfg, key) > 0, key, f"must be a positive number of bytes, got {_get(cfg, key)}")
     require(not (cfg.train.compile and o.target != "none"), "train.compile",
-             f"true does not combine with offload={o.target} yet (saved-tensor hooks inside "
-             "compiled blocks); set train.compile=false or offload=none")
+            f"true does not combine with offload={o.target} yet (saved-tensor hooks inside "
+            "compiled blocks); set train.compile=false or offload=none")
     if o.target == "disk":
         _check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
     require(cfg.train.stop_at_step is None or 0 < cfg.train.stop_at_step, "train.stop_at_step",
-             f"must be null or a positive step, got {cfg.train.stop_at_step}")
+            f"must be null or a positive step, got {cfg.train.stop_at_step}")
     sv, f = cfg.save, cfg.faults
     for key in ("save.every", "faults.max_rollbacks"):
         require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
     for key in ("save.keep", "faults.max_bad_steps", "faults.spike_window"):
         require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
     require(f.spike_factor == 0 or f.spike_factor > 1, "faults.spike_factor",
-             f"must be 0 (off) or above 1, got {f.spike_factor}")
+            f"must be 0 (off) or above 1, got {f.spike_factor}")
     require(sv.signal is None or sv.signal in SIGNALS, "save.signal",
-             f"got {sv.signal!r}; choose null or one of {', '.join(SIGNALS)}")
+            f"got {sv.signal!r}; choose null or one of {', '.join(SIGNALS)}")
     require(0 < sv.preempt_exit_code < 256, "save.preempt_exit_code",
-             f"must be an exit status 1..255, got {sv.preempt_exit_code}")
+            f"must be an exit status 1..255, got {sv.preempt_exit_code}")
     if sv.dir is not None:
         _check_writable(sv.dir, "save.dir")
     if cfg.sharding.cpu_offload:
         require(cfg.sharding.mode != "none", "sharding.cpu_offload",
-                 "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")
+                "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")
 
     m = cfg.model
-    if m.arch == "hf":
-        from trainer.hf_settings import check_hf
-
-        check_hf(cfg)
     require(m.dim % m.n_heads == 0, "model.n_heads",
-             f"must divide model.dim={m.dim}, got {m.n_heads}")
-    require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
-             f"head size model.dim/model.n_heads={m.dim // m.n_heads} must be even (rotary)")
-    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
-             f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
-    require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len",
-             f"{cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if cfg.data.source == "tokens":
-        require(bool(cfg.data.train_path), "data.train_path",
-                 "data.source=tokens needs data.train_path=<file.bin> (see python -m trainer.tokenize)")
-        require(bool(cfg.data.val_path), "data.val_path",
-                 "data.source=tokens needs data.val_path=<file.bin>")
-        _check_token_files(cfg.data, m.vocab_size)
-    if cfg.data.source == "bytes":
-        from trainer.hf_settings import model_vocab_size
-
-        vocab = model_vocab_size(m)
-        require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
-                 f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
+            f"must divide model.dim={m.dim}, got {m.n_heads}")
+    images = cfg.data.source in IMAGE_SOURCES
+    if m.arch == "vit" or images:
+        _check_images(cfg)
+    else:
+        _check_text(cfg)
 
     s = cfg.sharding
     if s.mode == "none":
@@ -180,13 +230,13 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
             require(_get(cfg, key) is None, key, "mixed precision needs sharding=fsdp or hsdp")
     if s.mode != "hsdp":
         require(s.replicate is None, "sharding.replicate",
-                 f"only applies to sharding=hsdp (now sharding={s.mode})")
+                f"only applies to sharding=hsdp (now sharding={s.mode})")
         replicate = 1
     else:
         replicate = num_nodes if s.replicate is None else s.replicate
         require(replicate > 0, "sharding.replicate", f"must be a positive integer, got {replicate}")
         require(world_size % replicate == 0, "sharding.replicate",
-                 f"{replicate} does not divide the world size {world_size}")
+                f"{replicate} does not divide the world size {world_size}")
     shard = world_size // replicate if s.mode != "none" else 1
 
     t = cfg.train
@@ -195,12 +245,12 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         grad_accum = t.grad_accum
     else:
         require(t.global_batch_size > 0, "train.global_batch_size",
-                 f"must be a positive integer, got {t.global_batch_size}")
+                f"must be a positive integer, got {t.global_batch_size}")
         require(t.grad_accum == 1, "train.grad_accum",
-                 "set either train.grad_accum or train.global_batch_size, not both")
+                "set either train.grad_accum or train.global_batch_size, not both")
         require(t.global_batch_size % per_accum == 0, "train.global_batch_size",
-                 f"{t.global_batch_size} is not divisible by train.micro_batch_size x world size "
-                 f"= {t.micro_batch_size} x {world_size}")
+                f"{t.global_batch_size} is not divisible by train.micro_batch_size x world size "
+                f"= {t.micro_batch_size} x {world_size}")
         grad_accum = t.global_batch_size // per_accum
     return Layout(world_size=world_size, replicate=replicate, shard=shard,
                   grad_accum=grad_accum, global_batch_size=per_accum * grad_accum)

@@ -1,0 +1,152 @@
+"""Image classification data: a class-per-folder image tree, and synthetic images.
+
+Both are indexable like the token windows (`num_windows`, `dataset[k]`), so the step-indexed
+sampler in trainer/data.py serves them unchanged: which images a rank reads at a step is a pure
+function of (step, batch shape, rank, seed), and a resumed run reads exactly what it would have.
+An item is (image [channels, size, size] float32, label).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where images are made: the config checks use this module
+    import torch
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+# ImageNet channel statistics: what pretrained vision models expect their inputs scaled by.
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+SYNTHETIC_TRAIN_IMAGES = 1 << 20
+SYNTHETIC_VAL_IMAGES = 256
+_TEMPLATE_SIZE = 8  # synthetic classes differ in a coarse 8x8 pattern under the noise
+
+
+def class_folders(root: str) -> list[str]:
+    """Sorted names of the class folders under root (each holding that class's images)."""
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def has_image(folder: str) -> bool:
+    """Whether folder holds at least one image file (stops at the first)."""
+    return any(e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)
+               for e in os.scandir(folder))
+
+
+class ImageFolder:
+    """root/<class>/<image>, labels numbered by sorted class name (as torchvision does).
+
+    Images are decoded with Pillow, converted to RGB (or L for one channel), resized so the
+    shorter side is `image_size`, centre-cropped to a square and scaled by the ImageNet
+    statistics. `classes` fixes the label numbering (the validation folder uses the training
+    folder's).
+    """
+
+    def __init__(self, root: str, image_size: int, channels: int, key: str,
+                 classes: list[str] | None = None) -> None:
+        if not os.path.isdir(root):
+            raise ValueError(f"{key}: no such folder: {root}")
+        found = class_folders(root)
+        self.classes = classes if classes is not None else found
+        unknown = sorted(set(found) - set(self.classes))
+        if unknown:
+            raise ValueError(f"{key}: class folders {unknown} are not among the training "
+                             f"classes {self.classes}")
+        self.files: list[tuple[str, int]] = []
+        for label, name in enumerate(self.classes):
+            folder = os.path.join(root, name)
+            if not os.path.isdir(folder):
+                continue
+            for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+                if entry.is_file() and entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                    self.files.append((entry.path, label))
+        if not self.files:
+            raise ValueError(f"{key}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
+        self.image_size, self.channels = image_size, channels
+        self.num_windows = len(self.files)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        path, label = self.files[index]
+        with Image.open(path) as image:
+            image = image.convert("RGB" if self.channels == 3 else "L")
+            width, height = image.size
+            scale = self.image_size / min(width, height)
+            resized = (max(self.image_size, round(width * scale)),
+                       max(self.image_size, round(height * scale)))
+            image = image.resize(resized, Image.Resampling.BICUBIC)
+            left = (resized[0] - self.image_size) // 2
+            top = (resized[1] - self.image_size) // 2
+            image = image.crop((left, top, left + self.image_size, top + self.image_size))
+            pixels = np.asarray(image, dtype=np.float32) / 255.0
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]
+        return _normalise(pixels.transpose(2, 0, 1)), label
+
+
+def _normalise(pixels: np.ndarray) -> torch.Tensor:
+    import torch
+
+    channels = pixels.shape[0]
+    mean = MEAN[:channels] if channels == 3 else MEAN.mean(keepdims=True)
+    std = STD[:channels] if channels == 3 else STD.mean(keepdims=True)
+    return torch.from_numpy(np.ascontiguousarray((pixels - mean[:, None, None]) /
+                                                 std[:, None, None]))
+
+
+class SyntheticImages:
+    """Random images with learnable labels, for benchmarks and tests at any resolution.
+
+    Image k depends only on (seed, stream, k): its label is drawn, and the image is that class's
+    coarse random pattern (fixed by the seed) plus unit Gaussian noise. So accuracy above chance
+    shows the model learns, and any image is made in O(1) with no state.
+    """
+
+    def __init__(self, num_classes: int, image_size: int, channels: int, num_images: int,
+                 seed: int, stream: int = 0) -> None:
+        self.num_classes, self.image_size, self.channels = num_classes, image_size, channels
+        self.num_windows, self.seed, self.stream = num_images, seed, stream
+        rng = np.random.default_rng([seed, 1 << 30])  # the same classes for both streams
+        self.templates = rng.standard_normal(
+            (num_classes, channels, _TEMPLATE_SIZE, _TEMPLATE_SIZE)).astype(np.float32)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.num_windows:
+            raise IndexError(f"image {index} out of range [0, {self.num_windows})")
+        rng = np.random.default_rng([self.seed, self.stream, index])
+        label = int(rng.integers(self.num_classes))
+        size = self.image_size
+        repeat = -(-size // _TEMPLATE_SIZE)  # ceil: any size, cropped back below
+        pattern = self.templates[label].repeat(repeat, axis=1).repeat(repeat, axis=2)
+        noise = rng.standard_normal((self.channels, size, size), dtype=np.float32)
+        import torch
+
+        return torch.from_numpy(pattern[:, :size, :size] + noise), label
+
+
+def image_datasets(source: str, image_size: int, channels: int, num_classes: int, seed: int,
+                   train_path: str | None,
+                   val_path: str | None) -> tuple[ImageFolder | SyntheticImages, ...]:
+    """(train, val) for data.source in {'images', 'synthetic_images'}."""
+    if source == "synthetic_images":
+        return (SyntheticImages(num_classes, image_size, channels, SYNTHETIC_TRAIN_IMAGES, seed, 0),
+                SyntheticImages(num_classes, image_size, channels, SYNTHETIC_VAL_IMAGES, seed, 1))
+    if source != "images":
+        raise ValueError(f"data.source={source} is not an image source")
+    train = ImageFolder(train_path, image_size, channels, "data.train_path")
+    if len(train.classes) != num_classes:
+        raise ValueError(f"model.num_classes={num_classes} but {train_path} has "
+                         f"{len(train.classes)} class folders; set model.num_classes="
+                         f"{len(train.classes)}")
+    val = ImageFolder(val_path, image_size, channels, "data.val_path", classes=train.classes)
+    return train, val

@@ -1,0 +1,76 @@
+"""What the model is trained to do: next-token prediction (llama, hf) or image classification (vit).
+
+The loop, the planner's meta trace and the pre-flight report ask the task for its loss, an
+example micro-batch, its datasets and how many tokens a sample is (for throughput and MFU); none
+of them needs to know which kind of model it trains. Importing this module does not import
+torch (the pre-flight checks and the report stay fast to refuse a bad command line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from trainer.config import DataConfig, ModelConfig
+from trainer.validate import IMAGE_SOURCES
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # "lm" | "classification"
+    sample_shape: tuple[int, ...]  # one input: (seq_len,) tokens or (channels, size, size)
+    tokens_per_sample: int  # sequence length, or patch tokens per image
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> loss
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.criterion(model(inputs), targets)
+
+    def example(self, micro_batch_size: int, device: torch.device | str = "meta") -> Batch:
+        """A micro-batch of the right shapes and dtypes (zeros; on meta for tracing)."""
+        import torch
+
+        if self.kind == "lm":
+            tokens = torch.zeros(micro_batch_size, *self.sample_shape, dtype=torch.long,
+                                 device=device)
+            return tokens, tokens
+        return (torch.zeros(micro_batch_size, *self.sample_shape, device=device),
+                torch.zeros(micro_batch_size, dtype=torch.long, device=device))
+
+    def eval_batch(self, model: nn.Module, inputs: torch.Tensor,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, fraction of correct top-1 predictions) of one batch."""
+        logits = model(inputs)
+        correct = (logits.argmax(dim=-1) == targets).float().mean()
+        return self.criterion(logits, targets), correct
+
+
+def task_for(model: ModelConfig, data: DataConfig) -> Task:
+    if model.arch == "vit":
+        from trainer.vit import class_loss
+
+        side = model.image_size // model.patch_size
+        return Task("classification", (model.channels, model.image_size, model.image_size),
+                    side * side, class_loss)
+    from trainer.model import next_token_loss
+
+    return Task("lm", (data.seq_len,), data.seq_len, next_token_loss)
+
+
+def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, seed: int):
+    """(train, val) datasets for the task: token windows, or labelled images."""
+    if data.source in IMAGE_SOURCES:
+        from trainer.images import image_datasets
+
+        return image_datasets(data.source, model.image_size, model.channels, model.num_classes,
+                              seed, data.train_path, data.val_path)
+    from trainer.data import build_datasets
+
+    train, val, _ = build_datasets(data.source, data.seq_len, vocab_size, seed, data.train_path,
+                                   data.val_path, data.token_dtype, data.max_corpus_bytes)
+    return train, val
