@@ -32,8 +32,20 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
             (tmp_path / "val.bin").write_bytes(bytes(4096))
             overrides += [f"data.train_path={tmp_path / 'train.bin'}",
                           f"data.val_path={tmp_path / 'val.bin'}"]
-        if group == "model" and option != "tiny":
+        if group == "model" and option != "tiny" and not option.startswith("vit"):
             overrides.append("data.source=synthetic")
+        if (group, option) == ("data", "images"):  # a folder per split, one image per class
+            from PIL import Image
+
+            for split in ("train", "val"):
+                for label in ("cat", "dog"):
+                    (tmp_path / split / label).mkdir(parents=True)
+                    Image.new("RGB", (40, 30)).save(tmp_path / split / label / "0.png")
+            overrides += ["model=vit_tiny", "model.num_classes=2",
+                          f"data.train_path={tmp_path / 'train'}",
+                          f"data.val_path={tmp_path / 'val'}"]
+        if (group, option) == ("data", "synthetic_images"):
+            overrides.append("model=vit_tiny")
         if (group, option) == ("model", "hf"):  # needs a model: one built from a config
             overrides.append("model.hf_config={model_type: llama, num_hidden_layers: 2}")
         cfg, layout = check(overrides, env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
@@ -50,7 +62,8 @@ def test_config_keys_are_frozen() -> None:
         "model.n_kv_heads", "model.vocab_size", "model.ffn_hidden", "model.max_seq_len",
         "model.norm_eps", "model.rope_theta", "model.dropout", "model.tie_embeddings",
         "model.block_pattern", "model.path", "model.hf_config", "model.attn_implementation",
-        "model.freeze",
+        "model.freeze", "model.image_size", "model.patch_size", "model.channels",
+        "model.num_classes",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
         "data.max_corpus_bytes",
         "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",
@@ -118,6 +131,14 @@ BAD_INPUTS = [
     (["offload=tape"], "offload=tape", 1),
     (["sharding=none", "sharding.cpu_offload=true"], "sharding.cpu_offload", 1),
     (["train.compile=true", "offload=disk"], "train.compile", 1),
+    (["model=vit_tiny", "data=bytes"], "data.source", 1),
+    (["data=synthetic_images"], "data.source", 1),
+    (["model=vit_tiny", "model.image_size=100"], "model.patch_size", 1),
+    (["model=vit_tiny", "model.channels=2"], "model.channels", 1),
+    (["model=vit_tiny", "model.num_classes=0"], "model.num_classes", 1),
+    (["model=vit_tiny", "data=images"], "data.train_path", 1),
+    (["model=vit_tiny", "data=images", "data.train_path=/nonexistent", "data.val_path=/x"],
+     "data.train_path", 1),
 ]
 
 

@@ -32,6 +32,7 @@ from trainer.faults import LossGuard
 from trainer.loop import train_step
 from trainer.model import build_llama, lm_loss
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.task import task_for
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Dropout off: with dropout, CPU attention takes the math path (T x T probabilities saved), which
@@ -46,6 +47,10 @@ HF = ["model.dropout=0", "checkpointing.profile_repeats=1", "data.seq_len=128",
       "model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 128, "
       "intermediate_size: 384, num_hidden_layers: 4, num_attention_heads: 4, "
       "num_key_value_heads: 2, max_position_embeddings: 512}"]
+# A ViT at 256x256 (256 patch tokens + the class token).
+VIT = ["model=vit_tiny", "model.image_size=256", "model.dim=64", "model.n_heads=2",
+       "model.ffn_hidden=256", "model.n_layers=4", "train.micro_batch_size=4",
+       "checkpointing.profile_repeats=1"]
 POLICIES = [["checkpointing=none"], ["checkpointing=full"], ["checkpointing=selective"],
             ["checkpointing=budget", "checkpointing.budget=0.45"]]
 # Measured agreement on CPU is within 0.3% (activations) and 0.7% (peak); these leave room for
@@ -132,6 +137,17 @@ def world_of_one():
         shutdown()
 
 
+def _random_batch(cfg, task, generator) -> tuple:
+    """Tensors of one micro-batch, ending with (inputs, targets)."""
+    batch = cfg.train.micro_batch_size
+    if task.kind == "lm":
+        tokens = torch.randint(0, cfg.model.vocab_size, (batch, cfg.data.seq_len + 1),
+                               generator=generator)
+        return tokens, tokens[:, :-1], tokens[:, 1:]
+    return (torch.randn(batch, *task.sample_shape, generator=generator),
+            torch.randint(0, cfg.model.num_classes, (batch,), generator=generator))
+
+
 def _measured_step(overrides: list[str], world: int = 1) -> dict:
     """One warm-up step, then one measured step of the trainer's own train_step (forward,
     backward, clipping, AdamW): its act_saved_bytes and the peak of live tensor bytes."""
@@ -143,18 +159,17 @@ def _measured_step(overrides: list[str], world: int = 1) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
     generator = torch.Generator().manual_seed(denv.rank)
     guard = LossGuard(skip_nonfinite=True, max_bad=3, spike_factor=0, window=10)
+    task = task_for(cfg.model, cfg.data)
     for step in range(2):
-        tokens = torch.randint(0, cfg.model.vocab_size,
-                               (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
-                               generator=generator)
-        batches = [(tokens[:, :-1], tokens[:, 1:])]
+        inputs = _random_batch(cfg, task, generator)
+        batches = [inputs[-2:]]
         if step == 0:
             train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader,
-                       guard)
+                       guard, task.loss)
             continue
-        with LiveTensorBytes(tensors_of(built.model, optimizer) + [tokens]) as live:
+        with LiveTensorBytes(tensors_of(built.model, optimizer) + list(inputs)) as live:
             train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader,
-                       guard)
+                       guard, task.loss)
     return {"act_saved_bytes": meter.peak, "peak": live.peak,
             "plan": [p.recompute for p in built.plan]}
 
@@ -177,14 +192,14 @@ def _assert_close(predicted: int, measured: int, tolerance: float, what: str) ->
     assert abs(error) <= tolerance, f"{what}: {predicted} vs {measured} ({100 * error:+.2f}%)"
 
 
-@pytest.mark.parametrize("model", ["tiny", "small", "hf"])
+@pytest.mark.parametrize("model", ["tiny", "small", "hf", "vit"])
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p[0].split("=")[1])
 def test_predicted_memory_matches_a_real_cpu_step(world_of_one, model, policy) -> None:
     """Activation bytes kept at the end of the forward, and the peak of all live tensor bytes
     (parameters, gradients, optimizer state, FSDP's unsharded copies, activations) of a step
     with FSDP on a world of one. For budget, the prediction is for the plan the trainer chose
     (its costs come from CPU timings, the report's from FLOPs, so their plans can differ)."""
-    overrides = {"tiny": TINY, "small": SMALL, "hf": HF}[model] + policy
+    overrides = {"tiny": TINY, "small": SMALL, "hf": HF, "vit": VIT}[model] + policy
     measured = _measured_step(overrides)
     predicted = _predicted(overrides, measured["plan"])
     _assert_close(predicted.end_of_forward, measured["act_saved_bytes"], ACTIVATION_TOLERANCE,
