@@ -71,7 +71,7 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
     if cfg.arch == "vit":
         from trainer.vit import build_vit
 
-        return build_vit(vit_args(cfg), device="meta")
+        return build_vit(vit_args(cfg), device="meta", path=cfg.path)
     return build_llama_on_meta(cfg)
 
 

@@ -59,7 +59,9 @@ class ModelConfig:
     # model names them, e.g. ["hf.model.embed_tokens.*", "hf.model.layers.[0-5].*"].
     freeze: List[str] = field(default_factory=list)
     # arch=vit (image classification; dim, n_layers, n_heads, ffn_hidden, dropout apply too):
-    # square images of image_size pixels cut into patch_size patches.
+    # square images of image_size pixels cut into patch_size patches. model.path may name a
+    # `python -m trainer.export` folder of a ViT to fine-tune (another image size: positions
+    # are resized; another num_classes: a new head).
     image_size: int = 224
     patch_size: int = 16
     channels: int = 3

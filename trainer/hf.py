@@ -14,12 +14,13 @@ generator)` fills one parameter (random, or from the checkpoint); `reset_buffers
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
+
+from trainer.weights import SafetensorsReader
 
 PREFIX = "hf."  # parameter names inside the wrapper; the HF name follows
 
@@ -91,7 +92,7 @@ class HFCausalLM(nn.Module):
         # Real buffer values, restored after to_empty() wipes them (e.g. rotary inv_freq).
         self._buffer_values = {name: b.detach().clone() for name, b in self.named_buffers()}
         self._std = float(getattr(hf_model.config, "initializer_range", 0.02))
-        self._reader = _SafetensorsReader(checkpoint) if checkpoint else None
+        self._reader = SafetensorsReader(checkpoint) if checkpoint else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.device.type == "meta":
@@ -131,30 +132,6 @@ class HFCausalLM(nn.Module):
         for name, value in self._buffer_values.items():
             buffer = self.get_buffer(name)
             buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
-
-
-class _SafetensorsReader:
-    """Tensors by name from a folder's *.safetensors files, memory-mapped, read on demand."""
-
-    def __init__(self, folder: str) -> None:
-        from safetensors import safe_open
-
-        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-        if not files:
-            raise HFModelError(f"model.path: {folder} has no *.safetensors weights")
-        self._handles = [safe_open(f, framework="pt") for f in files]
-        self._where = {key: h for h in self._handles for key in h.keys()}
-
-    def get(self, name: str, shape: torch.Size) -> torch.Tensor:
-        handle = self._where.get(name)
-        if handle is None:
-            raise HFModelError(f"model.path: the checkpoint has no tensor {name!r} (is it the "
-                               "same architecture as its config.json?)")
-        tensor = handle.get_tensor(name)
-        if tensor.shape != shape:
-            raise HFModelError(f"model.path: {name} has shape {tuple(tensor.shape)} in the "
-                               f"checkpoint, {tuple(shape)} in the model")
-        return tensor
 
 
 def build_hf_on_meta(hf_config: Any, path: Optional[str], dropout: Optional[float] = None,

@@ -119,6 +119,9 @@ def _check_images(cfg: Config) -> None:
     require(m.image_size % m.patch_size == 0, "model.patch_size",
             f"must divide model.image_size={m.image_size}, got {m.patch_size}")
     require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
+    require(m.hf_config is None, "model.hf_config", "only applies to model.arch=hf")
+    if m.path is not None:
+        _check_pretrained_vit(cfg)
     if d.source != "images":
         return
     for key in ("data.train_path", "data.val_path"):
@@ -143,6 +146,24 @@ def _check_images(cfg: Config) -> None:
         empty = [c for c in classes[key] if not has_image(os.path.join(root, c))]
         require(not empty, key, f"class folders {empty[:5]} under {root} hold no images "
                 f"({', '.join(IMAGE_EXTENSIONS)})")
+
+
+def _check_pretrained_vit(cfg: Config) -> None:
+    """model.path of a ViT: a `python -m trainer.export` folder of a ViT of the same shape (the
+    image size and number of classes may differ: positions are resized, the head replaced)."""
+    m = cfg.model
+    meta = os.path.join(m.path, "config.json")
+    require(os.path.isfile(meta), "model.path",
+            f"{m.path} has no config.json (a folder written by python -m trainer.export from a "
+            "model=vit run)")
+    with open(meta) as f:
+        saved = json.load(f).get("model", {})
+    require(saved.get("arch") == "vit", "model.path",
+            f"{m.path} holds a model.arch={saved.get('arch')} model, not a ViT")
+    for key in ("dim", "n_layers", "n_heads", "ffn_hidden", "patch_size", "channels"):
+        require(saved.get(key) == getattr(m, key), f"model.{key}",
+                f"{getattr(m, key)}, but the pretrained model in {m.path} has {saved.get(key)}; "
+                f"set model.{key}={saved.get(key)}")
 
 
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:

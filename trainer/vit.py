@@ -11,13 +11,18 @@ the T x T matrix. `dropout` applies to the residual branches and the embeddings,
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.weights import SafetensorsReader
+
+log = logging.getLogger("trainer")
 
 @dataclass(frozen=True)
 class ViTArgs:
@@ -91,6 +96,7 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(args) for _ in range(args.n_layers))
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.head = nn.Linear(args.dim, args.num_classes)
+        self.pretrained: Optional[SafetensorsReader] = None  # set by build_vit(path=...)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -106,10 +112,26 @@ class ViT(nn.Module):
             hidden = block(hidden)
         return self.head(self.norm(hidden[:, 0]))  # [B, num_classes]
 
+    @torch.no_grad()
     def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
-        """Fill the full (unsharded) tensor of parameter ``name`` in place: truncated
-        N(0, 0.02) for matrices, the patch projection, the class token and positions; zero
-        biases; unit norm scales."""
+        """Fill the full (unsharded) tensor of parameter ``name`` in place.
+
+        From pretrained weights when given: position embeddings of another grid are resized
+        (fine-tuning at a higher resolution than pretraining), and a head for another number of
+        classes starts afresh. Otherwise truncated N(0, 0.02) for matrices, the patch
+        projection, the class token and positions; zero biases; unit norm scales.
+        """
+        if self.pretrained is not None:
+            saved = self.pretrained.raw(name)
+            if name == "pos_embed" and saved.shape != full.shape:
+                full.copy_(resize_positions(saved, self.args.image_size // self.args.patch_size))
+                return
+            if not (name.startswith("head.") and saved.shape != full.shape):
+                full.copy_(self.pretrained.get(name, full.shape))
+                return
+            if name == "head.weight":
+                log.info(f"model.path: the pretrained head has {saved.shape[0]} classes, "
+                         f"model.num_classes={full.shape[0]}: the head starts from scratch")
         leaf = _BLOCK_PARAM.sub("", name)
         if leaf.endswith("bias"):
             full.zero_()
@@ -128,6 +150,20 @@ class ViT(nn.Module):
         return float(6 * matmul + 12 * a.n_layers * a.dim * (tokens + 1))
 
 
+def resize_positions(saved: torch.Tensor, grid: int) -> torch.Tensor:
+    """[1, 1 + g*g, dim] position embeddings for a grid x grid patch grid: the class token's
+    row is kept, the patch rows are resized bicubically as the 2-D grid they are."""
+    cls, patches = saved[:, :1], saved[:, 1:]
+    old = round(patches.shape[1] ** 0.5)
+    if old * old != patches.shape[1]:
+        raise ValueError(f"model.path: pos_embed has {patches.shape[1]} patch rows, not a square "
+                         "grid")
+    square = patches.reshape(1, old, old, -1).permute(0, 3, 1, 2).float()
+    resized = F.interpolate(square, size=(grid, grid), mode="bicubic", align_corners=False)
+    return torch.cat([cls, resized.permute(0, 2, 3, 1).reshape(1, grid * grid, -1)
+                      .to(saved.dtype)], dim=1)
+
+
 def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross entropy of [B, classes] logits, in fp32 whatever their dtype."""
     return F.cross_entropy(logits.float(), labels)
@@ -138,6 +174,12 @@ def classification_loss(model: nn.Module, images: torch.Tensor,
     return class_loss(model(images), labels)
 
 
-def build_vit(args: ViTArgs, device: torch.device | str = "meta") -> ViT:
+def build_vit(args: ViTArgs, device: torch.device | str = "meta",
+              path: Optional[str] = None) -> ViT:
+    """A ViT on `device`; with `path` (a `python -m trainer.export` folder of a ViT run) its
+    init_param loads those weights."""
     with torch.device(device):
-        return ViT(args)
+        model = ViT(args)
+    if path is not None:
+        model.pretrained = SafetensorsReader(path)
+    return model
