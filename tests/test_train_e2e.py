@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import QUICK, check_ok, read_metrics, read_wandb_records, run_trainer
 from trainer.rundir import run_id
 
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "samples_per_s",
                "peak_mem_bytes", "tokens_seen"}
 
 

@@ -80,13 +80,16 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task) -> dict[str, float]:
-    """val_loss, and val_accuracy (top-1) for classification, over every rank's batches."""
+def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task,
+             device: torch.device) -> dict[str, float]:
+    """val_loss, and val_accuracy (top-1) for classification, over every rank's batches.
+    The batches wait in host memory (high-resolution images are large) and visit the device
+    one at a time."""
     model.eval()
-    loss = torch.zeros((), device=batches[0][0].device)
+    loss = torch.zeros((), device=device)
     correct = torch.zeros_like(loss)
     for inputs, targets in batches:
-        batch_loss, batch_correct = task.eval_batch(model, inputs, targets)
+        batch_loss, batch_correct = task.eval_batch(model, inputs.to(device), targets.to(device))
         loss += batch_loss
         correct += batch_correct
     reshard_all(model)
@@ -175,8 +178,8 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     task = task_for(cfg.model, cfg.data)
     train_set, val_set = build_task_datasets(cfg.model, cfg.data, model_vocab_size(cfg.model),
                                              t.seed)
-    val_data = _to(val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
-                               denv.world_size), device)
+    val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
+                           denv.world_size)
 
     progress, resumed = Progress(), None
     if cfg.save.resume:
@@ -214,7 +217,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     if resumed is not None:
         logger.info(resumed[1])
     else:
-        logger.record({"step": 0, **evaluate(model, val_data, task)})
+        logger.record({"step": 0, **evaluate(model, val_data, task, device)})
     guard = LossGuard(f.skip_nonfinite, f.max_bad_steps, f.spike_factor, f.spike_window)
     while progress.step < t.steps:
         step = progress.step + 1
@@ -257,7 +260,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                 metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
             logger.record(metrics, wandb_step=progress.batch_index)
         if step % t.eval_every == 0 or step == t.steps:
-            logger.record({"step": step, **evaluate(model, val_data, task)},
+            logger.record({"step": step, **evaluate(model, val_data, task, device)},
                           wandb_step=progress.batch_index)
         with _collectives(denv.rank, f"the end-of-step vote of step {step}", t.dist_timeout_s):
             stop, saved = step_vote([preemption.received is not None, checkpointer.local_done()],
