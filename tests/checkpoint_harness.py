@@ -52,3 +52,16 @@ def train_steps(built, meter, optim_cfg, steps: int, rank: int, make_batch=token
     finally:
         close_offloader(built.offloader)
     return torch.stack(losses), grads, offloaded
+
+
+def assert_policies_bitwise(results: list, policies: list) -> None:
+    """Results (losses, grads, plan, saved bytes) per policy equal the first's (no
+    checkpointing) bit for bit, each recomputing somewhere and keeping fewer activations."""
+    ref_losses, ref_grads, _, ref_peak = results[0]
+    for (losses, grads, plan, peak), overrides in zip(results[1:], policies[1:]):
+        assert torch.equal(losses, ref_losses), overrides
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            assert torch.equal(grad, ref_grads[name]), (overrides, name)
+        assert any(r != "none" for r in plan), overrides
+        assert peak < ref_peak, overrides

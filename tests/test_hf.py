@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from checkpointing.saved import SavedBytesMeter  # noqa: E402
 from launch.env import init_distributed, read_env, shutdown  # noqa: E402
-from tests.checkpoint_harness import batch, train_steps  # noqa: E402
+from tests.checkpoint_harness import assert_policies_bitwise, batch, train_steps  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.helpers import config  # noqa: E402
 from trainer.build import build_model  # noqa: E402
@@ -46,17 +46,6 @@ def _all_policies(rank: int, world_size: int) -> dict:
             for name, arch in (("llama", LLAMA), ("gpt2", GPT2))}
 
 
-def _assert_bitwise(results: list) -> None:
-    ref_losses, ref_grads, _, ref_peak = results[0]
-    for (losses, grads, plan, peak), overrides in zip(results[1:], POLICIES[1:]):
-        assert torch.equal(losses, ref_losses), overrides
-        assert grads.keys() == ref_grads.keys()
-        for name, grad in grads.items():
-            assert torch.equal(grad, ref_grads[name]), (overrides, name)
-        assert any(r != "none" for r in plan), overrides
-        assert peak < ref_peak, overrides  # and it kept fewer activations
-
-
 def test_hf_blocks_are_found_and_every_policy_is_bitwise_one_rank(monkeypatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(key, raising=False)
@@ -66,14 +55,14 @@ def test_hf_blocks_are_found_and_every_policy_is_bitwise_one_rank(monkeypatch) -
     finally:
         shutdown()
     for name, per_policy in results.items():
-        _assert_bitwise(per_policy)
+        assert_policies_bitwise(per_policy, POLICIES)
         assert len(per_policy[1][2]) == 4, name  # the 4 decoder layers are the blocks
 
 
 def test_hf_every_policy_is_bitwise_two_ranks_fsdp() -> None:
     for results in spawn(_all_policies, 2):
         for per_policy in results.values():
-            _assert_bitwise(per_policy)
+            assert_policies_bitwise(per_policy, POLICIES)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -8,7 +8,7 @@ import torch
 
 from checkpointing.saved import SavedBytesMeter
 from launch.env import init_distributed, read_env, shutdown
-from tests.checkpoint_harness import train_steps
+from tests.checkpoint_harness import assert_policies_bitwise, train_steps
 from tests.dist import spawn
 from tests.helpers import config
 from trainer.build import build_model
@@ -46,17 +46,6 @@ def _all_policies(rank: int, world_size: int) -> list:
     return [_run(SMALL + o, steps=3, rank=rank) for o in POLICIES]
 
 
-def _assert_bitwise(results: list) -> None:
-    ref_losses, ref_grads, _, ref_peak = results[0]
-    for (losses, grads, plan, peak), overrides in zip(results[1:], POLICIES[1:]):
-        assert torch.equal(losses, ref_losses), overrides
-        assert grads.keys() == ref_grads.keys()
-        for name, grad in grads.items():
-            assert torch.equal(grad, ref_grads[name]), (overrides, name)
-        assert any(r != "none" for r in plan), overrides
-        assert peak < ref_peak, overrides
-
-
 @pytest.fixture
 def world_of_one(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
@@ -68,13 +57,13 @@ def world_of_one(monkeypatch):
 
 def test_vit_blocks_are_found_and_every_policy_is_bitwise_one_rank(world_of_one) -> None:
     results = _all_policies(0, 1)
-    _assert_bitwise(results)
+    assert_policies_bitwise(results, POLICIES)
     assert len(results[1][2]) == 4  # the 4 encoder blocks
 
 
 def test_vit_every_policy_is_bitwise_two_ranks_fsdp() -> None:
     for results in spawn(_all_policies, 2):
-        _assert_bitwise(results)
+        assert_policies_bitwise(results, POLICIES)
 
 
 # 1024x1024 RGB in 16x16 patches: 4096 patch tokens + the class token per image.
