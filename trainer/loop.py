@@ -31,6 +31,7 @@ from trainer.validate import Layout
 from trainer.hf_settings import model_vocab_size
 from trainer.data import train_batch, val_batches
 from trainer.model import lm_loss
+from trainer.prefetch import Prefetcher
 from trainer.task import Task, build_task_datasets, task_for
 from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
@@ -156,30 +157,34 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
     checkpointer = Checkpointer(cfg.save.dir or os.path.join(run_dir, "checkpoints"),
                                 cfg.save.keep, cfg.save.async_save, denv.rank, denv.world_size,
                                 device)
+    train_set, val_set = build_task_datasets(cfg.model, cfg.data, model_vocab_size(cfg.model),
+                                             t.seed)
+    batches = Prefetcher(lambda index: train_batch(train_set, index, t.micro_batch_size,
+                                                   layout.grad_accum, denv.rank,
+                                                   denv.world_size, t.seed), cfg.data.workers)
+    val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
+                           denv.world_size)
     preemption = PreemptionSignal(cfg.save.signal)
     try:
-        status = _run(cfg, layout, run_dir, denv, built, meter, checkpointer, preemption)
+        status = _run(cfg, layout, run_dir, denv, built, meter, checkpointer, preemption,
+                      batches, val_data)
         checkpointer.close()  # an async save still being written is committed before exit
         return status
     finally:
         preemption.restore()
+        batches.close()
         # Joins its threads; no file outlives the run, also when it failed.
         close_offloader(built.offloader, own_parent=cfg.offload.dir is None)
 
 
 def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
-         meter: SavedBytesMeter, checkpointer: Checkpointer,
-         preemption: PreemptionSignal) -> int:
+         meter: SavedBytesMeter, checkpointer: Checkpointer, preemption: PreemptionSignal,
+         batches: Prefetcher[list[Batch]], val_data: list[Batch]) -> int:
     t, f, device = cfg.train, cfg.faults, denv.device
     model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
-
     task = task_for(cfg.model, cfg.data)
-    train_set, val_set = build_task_datasets(cfg.model, cfg.data, model_vocab_size(cfg.model),
-                                             t.seed)
-    val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
-                           denv.world_size)
 
     progress, resumed = Progress(), None
     if cfg.save.resume:
@@ -222,9 +227,8 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     while progress.step < t.steps:
         step = progress.step + 1
         started = time.perf_counter()  # the step's time includes reading its batch
-        micro_batches = _to(train_batch(train_set, progress.batch_index, t.micro_batch_size,
-                                        layout.grad_accum, denv.rank, denv.world_size, t.seed),
-                            device)
+        micro_batches = _to(batches.get(progress.batch_index), device)
+        data_wait_s = time.perf_counter() - started  # ~0 when the batch was read ahead
         loss_fn = injected_loss(task.loss, progress.batch_index, f.inject_nan_at,
                                 f.inject_spike_at, f.inject_hang_at, 2.0 * t.dist_timeout_s,
                                 denv.rank, denv.world_size)
@@ -248,6 +252,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
             metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                        "tokens_per_s": tokens_per_s, "step_time_s": step_time,
                        "samples_per_s": layout.global_batch_size / step_time,
+                       "data_wait_s": data_wait_s,
                        "tokens_seen": progress.tokens_seen,
                        "peak_mem_bytes": peak_memory_bytes(device),
                        "act_saved_bytes": meter.peak}

@@ -183,7 +183,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     for key in ("optim.lr", "model.norm_eps", "model.rope_theta", "logging.wandb_init_timeout_s"):
         value = _get(cfg, key)
         require(value > 0, key, f"must be > 0, got {value}")
-    for key in ("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.eps"):
+    for key in ("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.eps",
+                "data.workers"):
         value = _get(cfg, key)
         require(value >= 0, key, f"must be >= 0, got {value}")
     for key in ("model.dropout", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"):
