@@ -168,6 +168,38 @@ def test_image_folder_labels_by_sorted_class_and_crops_to_size(tmp_path) -> None
     assert [lbl for _, lbl in val.files] == [0, 0, 1, 1]
 
 
+def test_augmented_samples_vary_by_draw_and_repeat_for_the_same_draw(tmp_path) -> None:
+    from trainer.data import train_batch
+    from trainer.images import ImageFolder
+
+    _image_folder(tmp_path)
+    plain = ImageFolder(str(tmp_path / "train"), 32, 3, "data.train_path")
+    augmented = ImageFolder(str(tmp_path / "train"), 32, 3, "data.train_path", augment=True,
+                            seed=5)
+    first, label = augmented.sample(6, draw=100)
+    assert first.shape == (3, 32, 32) and label == 1
+    assert torch.equal(first, augmented.sample(6, draw=100)[0])  # a resume sees the same
+    crops = [augmented.sample(6, draw=d)[0] for d in range(101, 105)]
+    assert all(not torch.equal(first, crop) for crop in crops)  # another epoch, another crop
+    assert torch.equal(plain.sample(6, draw=100)[0], plain[6][0])  # off: the centre crop
+    # The sampler hands each sample its global position: step 4's samples are 16-19 (of
+    # epoch 1, with 12 images), at this rank's windows of that epoch's permutation.
+    images, labels = train_batch(augmented, 4, 4, 1, 0, 1, seed=0)[0]
+    centre = [plain[i] for i in range(12)]
+    for image, label, draw in zip(images, labels, range(16, 20)):
+        window = next(i for i in range(12) if centre[i][1] == label and torch.equal(
+            image, augmented.sample(i, draw)[0]))
+        assert not torch.equal(image, centre[window][0])
+
+
+def test_grey_images_have_one_channel(tmp_path) -> None:
+    from trainer.images import ImageFolder
+
+    _image_folder(tmp_path)
+    image, _ = ImageFolder(str(tmp_path / "val"), 16, 1, "data.val_path")[0]
+    assert image.shape == (1, 16, 16)
+
+
 @pytest.mark.slow
 def test_image_folder_run_reports_accuracy(tmp_path) -> None:
     from tests.helpers import REPO, check_ok, read_metrics, run_trainer

@@ -77,6 +77,8 @@ class DataConfig:
     val_path: Optional[str] = None
     token_dtype: str = "uint16"
     max_corpus_bytes: int = 32 * 1024 * 1024
+    # data=images: random-resized crops and mirroring of training images (true in images.yaml)
+    augment: bool = False
     # Threads reading the next batches while a step computes (each reads one whole batch);
     # 0 reads each batch in the training thread when its step starts.
     workers: int = 2

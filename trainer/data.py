@@ -199,8 +199,13 @@ def _epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_windows)
 
 
-def _stack(dataset: Windows, window_ids: np.ndarray) -> Batch:
-    items = [dataset[int(k)] for k in window_ids]
+def _stack(dataset: Windows, window_ids: np.ndarray, draws: np.ndarray | None = None) -> Batch:
+    """The batch of these windows; `draws` (global sample positions) let a dataset with a
+    `sample(window, draw)` method vary a training sample by where it falls (augmentation)."""
+    if draws is not None and hasattr(dataset, "sample"):
+        items = [dataset.sample(int(k), int(g)) for k, g in zip(window_ids, draws)]
+    else:
+        items = [dataset[int(k)] for k in window_ids]
     if isinstance(items[0], tuple):  # (image, label) samples (trainer/images.py)
         return (torch.stack([x for x, _ in items]),
                 torch.tensor([y for _, y in items], dtype=torch.long))
@@ -238,7 +243,8 @@ def train_batch(dataset: Windows, step: int, micro_batch_size: int, grad_accum: 
         in_epoch = epochs == epoch
         permutation = _epoch_permutation(seed, int(epoch), num_windows)
         window_ids[in_epoch] = permutation[samples[in_epoch] % num_windows]
-    return [_stack(dataset, window_ids[m * micro_batch_size:(m + 1) * micro_batch_size])
+    return [_stack(dataset, window_ids[m * micro_batch_size:(m + 1) * micro_batch_size],
+                   samples[m * micro_batch_size:(m + 1) * micro_batch_size])
             for m in range(grad_accum)]
 
 

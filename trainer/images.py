@@ -43,10 +43,16 @@ class ImageFolder:
     shorter side is `image_size`, centre-cropped to a square and scaled by the ImageNet
     statistics. `classes` fixes the label numbering (the validation folder uses the training
     folder's).
+
+    With `augment`, training samples (`sample(index, draw)`) are instead a random crop of 8% to
+    100% of the image's area at an aspect ratio from 3/4 to 4/3, resized to the square, and
+    mirrored half of the time: the usual fine-tuning augmentation. Its randomness comes from
+    (seed, draw), the sample's global position in the run, so it differs between epochs and is
+    the same after a resume.
     """
 
     def __init__(self, root: str, image_size: int, channels: int, key: str,
-                 classes: list[str] | None = None) -> None:
+                 classes: list[str] | None = None, augment: bool = False, seed: int = 0) -> None:
         if not os.path.isdir(root):
             raise ValueError(f"{key}: no such folder: {root}")
         found = class_folders(root)
@@ -66,29 +72,58 @@ class ImageFolder:
         if not self.files:
             raise ValueError(f"{key}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
         self.image_size, self.channels = image_size, channels
+        self.augment, self.seed = augment, seed
         self.num_windows = len(self.files)
 
     def __len__(self) -> int:
         return self.num_windows
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """Image `index`, centre-cropped (validation, and training without augment)."""
+        return self._load(index, None)
+
+    def sample(self, index: int, draw: int) -> tuple[torch.Tensor, int]:
+        """Image `index` as the training sample at global position `draw`."""
+        return self._load(index, np.random.default_rng([self.seed, draw]) if self.augment
+                          else None)
+
+    def _load(self, index: int, rng: np.random.Generator | None) -> tuple[torch.Tensor, int]:
         from PIL import Image
 
         path, label = self.files[index]
+        size = self.image_size
         with Image.open(path) as image:
             image = image.convert("RGB" if self.channels == 3 else "L")
             width, height = image.size
-            scale = self.image_size / min(width, height)
-            resized = (max(self.image_size, round(width * scale)),
-                       max(self.image_size, round(height * scale)))
-            image = image.resize(resized, Image.Resampling.BICUBIC)
-            left = (resized[0] - self.image_size) // 2
-            top = (resized[1] - self.image_size) // 2
-            image = image.crop((left, top, left + self.image_size, top + self.image_size))
+            if rng is None:
+                scale = size / min(width, height)
+                resized = (max(size, round(width * scale)), max(size, round(height * scale)))
+                image = image.resize(resized, Image.Resampling.BICUBIC)
+                left, top = (resized[0] - size) // 2, (resized[1] - size) // 2
+                image = image.crop((left, top, left + size, top + size))
+            else:
+                image = image.resize((size, size), Image.Resampling.BICUBIC,
+                                     box=_random_box(width, height, rng))
+                if rng.random() < 0.5:
+                    image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             pixels = np.asarray(image, dtype=np.float32) / 255.0
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
         return _normalise(pixels.transpose(2, 0, 1)), label
+
+
+def _random_box(width: int, height: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+    """A crop of 8-100% of the area at aspect 3/4-4/3 (up to 10 tries; else the centre square)."""
+    for _ in range(10):
+        area = width * height * rng.uniform(0.08, 1.0)
+        aspect = float(np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3))))
+        w, h = round((area * aspect) ** 0.5), round((area / aspect) ** 0.5)
+        if 0 < w <= width and 0 < h <= height:
+            left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
+            return left, top, left + w, top + h
+    side = min(width, height)
+    left, top = (width - side) // 2, (height - side) // 2
+    return left, top, left + side, top + side
 
 
 def _normalise(pixels: np.ndarray) -> torch.Tensor:
@@ -135,15 +170,16 @@ class SyntheticImages:
 
 
 def image_datasets(source: str, image_size: int, channels: int, num_classes: int, seed: int,
-                   train_path: str | None,
-                   val_path: str | None) -> tuple[ImageFolder | SyntheticImages, ...]:
+                   train_path: str | None, val_path: str | None,
+                   augment: bool) -> tuple[ImageFolder | SyntheticImages, ...]:
     """(train, val) for data.source in {'images', 'synthetic_images'}."""
     if source == "synthetic_images":
         return (SyntheticImages(num_classes, image_size, channels, SYNTHETIC_TRAIN_IMAGES, seed, 0),
                 SyntheticImages(num_classes, image_size, channels, SYNTHETIC_VAL_IMAGES, seed, 1))
     if source != "images":
         raise ValueError(f"data.source={source} is not an image source")
-    train = ImageFolder(train_path, image_size, channels, "data.train_path")
+    train = ImageFolder(train_path, image_size, channels, "data.train_path", augment=augment,
+                        seed=seed)
     if len(train.classes) != num_classes:
         raise ValueError(f"model.num_classes={num_classes} but {train_path} has "
                          f"{len(train.classes)} class folders; set model.num_classes="

@@ -237,6 +237,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(cfg.sharding.mode != "none", "sharding.cpu_offload",
                 "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")
 
+    require(not cfg.data.augment or cfg.data.source == "images", "data.augment",
+            f"only applies to data=images (now data.source={cfg.data.source})")
     m = cfg.model
     require(m.dim % m.n_heads == 0, "model.n_heads",
             f"must divide model.dim={m.dim}, got {m.n_heads}")
