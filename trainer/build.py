@@ -235,7 +235,8 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     apply_offload(blocks, plan, offloader, meter)
     if cfg.train.compile:
         for block in blocks:
-            block.compile()  # compiles this instance's __call__: its checkpointed forward too
+            # Compiles this instance's __call__: its checkpointed forward too.
+            block.compile(backend=cfg.train.compile_backend)
     cpu_offload = cfg.sharding.cpu_offload and denv.device.type != "cpu"
     if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
         log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "

@@ -110,6 +110,9 @@ class TrainConfig:
     out_dir: str = "outputs"
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile each block (after its checkpoint wrapper)
+    # torch.compile backend: inductor (generated kernels), aot_eager (traced, no codegen: for
+    # checking a setup quickly), eager (dynamo capture only).
+    compile_backend: str = "inductor"
     dist_timeout_s: int = 600
     # End this process after this step, saving first, as a preemption would (exit status
     # save.preempt_exit_code); started again, the run continues. For time-sliced jobs and drills.
@@ -213,6 +216,7 @@ CHOICES = {
     "data.source": ("bytes", "tokens", "synthetic", "images", "synthetic_images"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.compile_backend": ("inductor", "aot_eager", "eager"),
     "sharding.mode": ("fsdp", "hsdp", "none"),
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget"),
     "offload.target": ("none", "cpu", "disk"),

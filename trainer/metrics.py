@@ -45,6 +45,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def peak_reserved_bytes(device: torch.device) -> Optional[int]:
+    """CUDA: the most bytes the caching allocator held from the driver (allocated + cached)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
+
+
 class RunLogger:
     def __init__(self, run_dir: Optional[str], total_steps: int, progress: bool,
                  wandb_run=None, first_step: int = 0):

@@ -1,0 +1,229 @@
+"""The GPU check's stages that need torch, each run by launch/gpu_check.py as its own process.
+
+    python -m launch.gpu_stages env
+    python -m launch.gpu_stages parity --device cuda --work DIR
+    python -m launch.gpu_stages fit --device cuda --capacity BYTES -- <trainer overrides>
+    python -m launch.gpu_stages predict --device cuda --rows ROWS.json
+
+Each prints one JSON object as its last line of output. A stage in its own process can be
+stopped at its time cap, and a crash in one (a CUDA error, an out-of-memory) costs that stage
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+PARITY_POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
+PARITY_TARGETS = ("none", "cpu")
+GIB = 2 ** 30
+
+
+def env_stage() -> dict:
+    """What this host is, and whether its torch has every API the project uses."""
+    import platform
+
+    import torch
+
+    from launch.torch_api import check
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "torch_api": check()}
+    for name in ("hydra-core", "omegaconf", "transformers", "wandb"):
+        try:
+            from importlib import metadata
+
+            info[name] = metadata.version(name)
+        except Exception:
+            info[name] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=props.name, total_memory=props.total_memory,
+                    capability=f"{props.major}.{props.minor}", device_count=torch.cuda.device_count(),
+                    cuda_runtime=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return info
+
+
+def _run_logged(overrides: Sequence[str], run_dir: str) -> list[dict]:
+    """One trainer run in this process (the process group is kept for the next one, as a `-m`
+    sweep does); returns its logged steps."""
+    from trainer.cli import check
+    from trainer.loop import train
+
+    cfg, layout = check([*overrides, f"hydra.run.dir={run_dir}"], {"WORLD_SIZE": "1"})
+    os.makedirs(run_dir, exist_ok=True)
+    status = train(cfg, layout, run_dir, keep_process_group=True)
+    if status:
+        raise RuntimeError(f"{run_dir}: the run stopped early with status {status}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "loss" in m]
+
+
+def parity_overrides(device: str, seq_len: int) -> list[str]:
+    """A small model with dropout on: every policy must reproduce `none`'s losses."""
+    return ["model=tiny", "model.dropout=0.1", "data=synthetic", f"data.seq_len={seq_len}",
+            "train.micro_batch_size=4", "train.steps=4", f"train.device={device}",
+            "logging.every=1", "logging.wandb=false", "logging.progress=false",
+            "train.eval_every=4", "train.eval_batches=1", "save.at_end=false", "save.every=0",
+            "save.resume=false", "offload.min_bytes=0"]
+
+
+def parity_stage(device: str, work: str, seq_len: int) -> dict:
+    """Every recompute policy x offload none/cpu against `none`, 4 steps; `none` twice first to
+    learn whether this device's kernels repeat bit for bit."""
+    from launch.env import shutdown
+
+    base = parity_overrides(device, seq_len)
+    runs: dict[str, list[dict]] = {}
+    keys = [("none", "none", "again")] + [(p, t, "") for p in PARITY_POLICIES
+                                           for t in PARITY_TARGETS]
+    try:
+        for policy, target, tag in keys:
+            name = "-".join(filter(None, (policy, target, tag)))
+            runs[name] = _run_logged([*base, f"checkpointing={policy}", f"offload={target}"],
+                                     os.path.join(work, name))
+    finally:
+        shutdown()
+    reference = [m["loss"] for m in runs["none-none"]]
+    repeat = [m["loss"] for m in runs["none-none-again"]]
+    deterministic = repeat == reference
+    spread = _max_rel(repeat, reference)
+    # Where the baseline itself does not repeat bit for bit (atomics in some CUDA backward
+    # kernels), a policy can only be held to the baseline's own run-to-run noise.
+    tolerance = 0.0 if deterministic else max(1e-5, 10 * spread)
+    rows = []
+    for name, logged in runs.items():
+        losses = [m["loss"] for m in logged]
+        diff = _max_rel(losses, reference)
+        rows.append({"run": name, "losses": losses, "bitwise": losses == reference,
+                     "max_rel_diff": diff, "ok": diff <= tolerance,
+                     "offloaded_bytes": max((m.get("offloaded_bytes", 0) for m in logged),
+                                            default=0),
+                     "act_saved_bytes": max(m["act_saved_bytes"] for m in logged)})
+    # On a GPU the cpu target must actually have moved something, or the test proves nothing.
+    moved = all(r["offloaded_bytes"] > 0 for r in rows if "-cpu" in r["run"])
+    return {"device": device, "deterministic_baseline": deterministic, "baseline_spread": spread,
+            "tolerance": tolerance, "rows": rows, "offload_moved": moved,
+            "ok": all(r["ok"] for r in rows) and (moved or device == "cpu")}
+
+
+def _max_rel(values: Sequence[float], reference: Sequence[float]) -> float:
+    if len(values) != len(reference):
+        return float("inf")
+    return max((abs(v - r) / max(abs(r), 1e-12) for v, r in zip(values, reference)), default=0.0)
+
+
+def _evaluator(device: str):
+    from checkpointing.report import DEFAULT_TFLOPS
+    from checkpointing.scenario import Evaluator
+
+    # As the report: on a GPU AdamW takes its foreach path (one group-sized temporary).
+    return Evaluator(DEFAULT_TFLOPS, optimizer_foreach=device != "cpu")
+
+
+def _scenario(overrides: Sequence[str]):
+    from checkpointing.scenario import Scenario
+    from trainer.cli import check
+
+    cfg, layout = check(list(overrides), {"WORLD_SIZE": "1"}, local_gpus=False)
+    return Scenario(cfg, layout, 1)
+
+
+def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Sequence[int],
+              max_micro_batch: int, headroom: float) -> dict:
+    """The largest power-of-two micro-batch whose predicted peak under `full` fits `capacity`
+    x `headroom` (the rest is left for what the memory model does not count: CUDA context,
+    NCCL buffers, fragmentation), at the first sequence length where one fits."""
+    evaluator = _evaluator(device)
+    tried, dim = [], _scenario(overrides).cfg.model.dim
+    for seq_len in seq_lens:
+        best = None
+        micro_batch = 1
+        while micro_batch <= max_micro_batch:
+            scenario = _scenario([*overrides, "checkpointing=full", f"data.seq_len={seq_len}",
+                                  f"train.micro_batch_size={micro_batch}"])
+            peak = evaluator.evaluate(scenario).estimate.peak.total
+            fits = peak <= capacity * headroom
+            tried.append({"seq_len": seq_len, "micro_batch": micro_batch, "predicted_peak": peak,
+                          "fits": fits})
+            if not fits:
+                break
+            best = micro_batch
+            micro_batch *= 2
+        if best is not None:
+            return {"seq_len": seq_len, "micro_batch": best, "model_dim": dim,
+                    "capacity": capacity,
+                    "headroom": headroom, "tried": tried}
+    return {"seq_len": None, "micro_batch": None, "capacity": capacity, "headroom": headroom,
+            "tried": tried}
+
+
+def predict_stage(device: str, rows: Sequence[dict]) -> dict:
+    """The report's predicted peak for each benchmarked configuration, with the plan the
+    trainer actually carried out (its plan.json) where there is one: the budget planner's
+    choice on the device can differ from the one the report derives from FLOPs."""
+    from checkpointing.memory import estimate
+    from checkpointing.plan import BlockPlan
+    from checkpointing.scenario import setup_of
+
+    evaluator = _evaluator(device)
+    out = {}
+    for row in rows:
+        try:
+            scenario = _scenario(row["overrides"])
+            outcome = evaluator.evaluate(scenario)
+            plan, source = outcome.plan, "report"
+            plan_path = row.get("plan_json")
+            if plan_path and os.path.exists(plan_path):
+                with open(plan_path) as f:
+                    plan, source = [BlockPlan(**p) for p in json.load(f)], "trainer plan.json"
+            _, groups, orig_dtype = evaluator.profile(scenario.cfg)
+            est = estimate(groups, outcome.profile, plan,
+                           setup_of(scenario, orig_dtype, evaluator.optimizer_foreach))
+            out[row["name"]] = {"predicted_peak": est.peak.total, "phase": est.peak.name,
+                                "activation_peak": est.activation_peak, "plan_from": source}
+        except Exception as exc:  # one row's failure must not cost the others
+            out[row["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=("env", "parity", "fit", "predict"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--work", default="/tmp/blocktrain-gpu-check")
+    parser.add_argument("--seq-len", type=int, default=256, help="parity: sequence length")
+    parser.add_argument("--capacity", type=int, default=0, help="fit: device bytes")
+    parser.add_argument("--seq-lens", default="4096,2048", help="fit: sequence lengths to try")
+    parser.add_argument("--max-micro-batch", type=int, default=64)
+    parser.add_argument("--headroom", type=float, default=0.9)
+    parser.add_argument("--rows", help="predict: JSON file of [{name, overrides, plan_json}]")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.overrides = argv[cut + 1:]  # the trainer's overrides, after "--"
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.stage == "env":
+        result = env_stage()
+    elif args.stage == "parity":
+        result = parity_stage(args.device, args.work, args.seq_len)
+    elif args.stage == "fit":
+        result = fit_stage(args.device, args.capacity, args.overrides,
+                           [int(s) for s in args.seq_lens.split(",")], args.max_micro_batch,
+                           args.headroom)
+    else:
+        with open(args.rows) as f:
+            result = predict_stage(args.device, json.load(f))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

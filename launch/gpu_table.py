@@ -1,0 +1,176 @@
+"""The GPU check's figures: read from runs, compared, judged against the targets, written out.
+
+Standard library only, like launch/gpu_check.py, so a report is written whatever failed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import xml.etree.ElementTree as ElementTree
+from typing import Optional
+
+GIB = 2 ** 30
+
+# Measured on 2026-11-30 for Python 3.12 (pip download torchtitan==0.3.0 with its
+# dependencies): see README's GPU section.
+TORCHTITAN_NOT_RUN = (
+    "torchtitan 0.3.0 is not installed on this host: its wheel needs datasets (with pyarrow and "
+    "pandas), tensorboard, wandb, torchdata, torch_checkpointing, spmd_types and tyro, far more "
+    "than the 64 MiB the device machine takes along, and a tokenizer and dataset that the wheel "
+    "does not carry; no torchtitan figure this run")
+
+
+def junit_counts(path: str) -> dict:
+    """passed/failed/skipped/errors of a pytest --junitxml report."""
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    total = {k: sum(int(s.get(k, 0)) for s in suites)
+             for k in ("tests", "failures", "errors", "skipped")}
+    total["passed"] = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    return total
+
+
+def _spread(values: list[float]) -> float:
+    """Step-time spread: (slowest - fastest) / median, over the timed steps."""
+    if len(values) < 2:
+        return 0.0
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def trainer_figures(metrics_path: str, warmup: int) -> dict:
+    with open(metrics_path) as f:
+        logged = [m for m in map(json.loads, f) if "loss" in m]
+    timed = [m for m in logged if m["step"] > warmup] or logged
+    mfu = [m["mfu"] for m in timed if "mfu" in m]
+    return {
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in timed),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "step_time_s": statistics.median(m["step_time_s"] for m in timed),
+        "step_spread": _spread([m["step_time_s"] for m in timed]),
+        "peak_mem_bytes": max(m["peak_mem_bytes"] for m in logged),
+        "peak_reserved_bytes": max((m.get("peak_reserved_bytes") or 0 for m in logged),
+                                   default=0) or None,
+        "act_saved_bytes": max(m["act_saved_bytes"] for m in logged),
+        "offloaded_bytes": max((m.get("offloaded_bytes", 0) for m in logged), default=0),
+        "losses": [m["loss"] for m in logged],
+    }
+
+
+def reference_figures(result: dict) -> dict:
+    timed = result["step_time_s"][len(result["step_time_s"]) - len(result["tokens_per_s"]):]
+    return {
+        "tokens_per_s": statistics.median(result["tokens_per_s"]),
+        "mfu": None,
+        "step_time_s": statistics.median(timed),
+        "step_spread": _spread(timed),
+        "peak_mem_bytes": result["max_memory_allocated"],
+        "peak_reserved_bytes": result["max_memory_reserved"],
+        "act_saved_bytes": None, "offloaded_bytes": None, "losses": result["losses"],
+    }
+
+
+def compare_predictions(predicted: dict, rows: dict, device: str) -> dict:
+    """Predicted peak against the measured high-water mark (CUDA: max allocated). On CPU the
+    measured figure is the process's RSS, which holds the interpreter and libraries too."""
+    out = {}
+    for name, p in predicted.items():
+        measured = rows.get(name, {}).get("peak_mem_bytes")
+        entry = dict(p)
+        if "predicted_peak" in p and measured:
+            entry["measured_peak"] = measured
+            entry["ratio"] = p["predicted_peak"] / measured
+            entry["within_10pct"] = abs(entry["ratio"] - 1) <= 0.10 if device == "cuda" else None
+        out[name] = entry
+    return out
+
+
+def targets(result: dict) -> list[tuple[str, Optional[bool], str]]:
+    """(target, met?, the figures) for G1, G2 and the prediction; None: no figure to judge."""
+    bench = result["stages"].get("bench", {})
+    rows = bench.get("rows", {})
+    fit = result["stages"].get("fit", {})
+    out = []
+    sel, ref = rows.get("selective", {}), rows.get("ref:selective", {})
+    if sel.get("ok") and ref.get("ok") and sel.get("mfu") is not None:
+        ratio = sel["tokens_per_s"] / ref["tokens_per_s"]
+        out.append(("G1: selective MFU >= 45%, >= 0.97x the plain reference",
+                    sel["mfu"] >= 0.45 and ratio >= 0.97,
+                    f"MFU {sel['mfu']:.1%}, {ratio:.3f}x the reference's tokens/s"))
+    else:
+        out.append(("G1: selective MFU >= 45%, >= 0.97x the plain reference", None,
+                    "no selective/reference pair with MFU (CPU, or a row failed)"))
+    full, off = rows.get("full", {}), rows.get("full + offload=cpu", {})
+    dim = fit.get("model_dim")
+    if result.get("mode") != "gpu":
+        out.append(("G2: full + offload=cpu <= 3% slower than full, <= 2 block inputs on device",
+                    None, "nothing moves off a CPU compute device"))
+    elif full.get("ok") and off.get("ok") and dim:
+        slower = full["tokens_per_s"] / off["tokens_per_s"] - 1
+        block_input = off["micro_batch"] * off["seq_len"] * dim * 2  # bf16 hidden states
+        inputs_kept = off["act_saved_bytes"] / block_input
+        out.append(("G2: full + offload=cpu <= 3% slower than full, <= 2 block inputs on device",
+                    slower <= 0.03 and inputs_kept <= 2,
+                    f"{slower:+.1%} step time, {inputs_kept:.2f} block inputs kept"))
+    predict = result["stages"].get("predict", {}).get("rows", {})
+    ratios = {n: p["ratio"] for n, p in predict.items() if "ratio" in p}
+    if ratios and result.get("mode") == "gpu":
+        worst = max(ratios, key=lambda n: abs(ratios[n] - 1))
+        out.append(("report's predicted peak within 10% of max allocated, every row",
+                    all(abs(r - 1) <= 0.10 for r in ratios.values()),
+                    f"worst {worst}: predicted/measured {ratios[worst]:.3f}"))
+    return out
+
+
+def _gib(value) -> str:
+    return "" if value is None else f"{value / GIB:.2f}"
+
+
+def markdown(result: dict) -> str:
+    env = result["stages"].get("env", {})
+    lines = [f"# GPU check, {result['started']} ({result['mode']})", "",
+             f"{env.get('device', 'no GPU')}, torch {env.get('torch', '?')}, Python "
+             f"{env.get('python', '?')}, CUDA {env.get('cuda_runtime', '-')}, "
+             f"NCCL {env.get('nccl', '-')}; total {result.get('total_seconds', 0):.0f} s", "",
+             "| stage | result | seconds | note |", "|---|---|---|---|"]
+    for name, stage in result["stages"].items():
+        note = stage.get("error") or stage.get("reason") or ""
+        if name == "cuda_tests" and "tests" in stage:
+            note = (f"{stage['passed']} passed, {stage['failures']} failed, {stage['errors']} "
+                    f"errors, {stage['skipped']} skipped")
+        if name == "parity" and "rows" in stage:
+            note = (f"{len(stage['rows'])} runs; baseline repeats bit for bit: "
+                    f"{stage['deterministic_baseline']}; tolerance {stage['tolerance']:g}; "
+                    f"bitwise {sum(r['bitwise'] for r in stage['rows'])}/{len(stage['rows'])}")
+        if name == "fit" and stage.get("micro_batch"):
+            note = f"micro-batch {stage['micro_batch']} x seq {stage['seq_len']} under full"
+        lines.append(f"| {name} | {'ok' if stage.get('ok') else 'FAILED'} | "
+                     f"{result['seconds'].get(name, 0):.0f} | {note.replace('|', '/')} |")
+    rows = result["stages"].get("bench", {}).get("rows", {})
+    predict = result["stages"].get("predict", {}).get("rows", {})
+    if rows:
+        lines += ["", "| row | micro-batch | tokens/s | MFU | x ref | max alloc GiB | reserved GiB "
+                  "| act saved GiB | offloaded GiB | step spread | predicted GiB | pred/meas |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, r in rows.items():
+            if not r.get("ok"):
+                lines.append(f"| {name} | {r.get('micro_batch', '')} | failed: "
+                             f"{r.get('error', '')[:120].replace('|', '/')} |||||||||||")
+                continue
+            policy = name.split(" ")[0]
+            ref = rows.get(f"ref:{policy}", {})
+            x_ref = (f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}"
+                     if ref.get("ok") and not name.startswith("ref:") else "")
+            p = predict.get(name, {})
+            lines.append(
+                f"| {name} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
+                f"{'' if r['mfu'] is None else format(r['mfu'], '.1%')} | {x_ref} | "
+                f"{_gib(r['peak_mem_bytes'])} | {_gib(r['peak_reserved_bytes'])} | "
+                f"{_gib(r['act_saved_bytes'])} | {_gib(r['offloaded_bytes'])} | "
+                f"{r['step_spread']:.1%} | {_gib(p.get('predicted_peak'))} | "
+                f"{format(p['ratio'], '.3f') if 'ratio' in p else ''} |")
+    lines += ["", "| target | met | figures |", "|---|---|---|"]
+    for name, met, figures in targets(result):
+        lines.append(f"| {name} | {'n/a' if met is None else ('yes' if met else 'no')} | "
+                     f"{figures} |")
+    return "\n".join(lines) + "\n"
