@@ -137,12 +137,36 @@ def _scenario(overrides: Sequence[str]):
 
 
 def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Sequence[int],
-              max_micro_batch: int, headroom: float) -> dict:
+              max_micro_batch: int, headroom: float, rows: dict[str, list[str]]) -> dict:
     """The largest power-of-two micro-batch whose predicted peak under `full` fits `capacity`
     x `headroom` (the rest is left for what the memory model does not count: CUDA context,
-    NCCL buffers, fragmentation), at the first sequence length where one fits."""
+    NCCL buffers, fragmentation), at the first sequence length where one fits; then for each
+    benchmark row (policy overrides) that micro-batch, halved until the row is predicted to fit,
+    so no device time is spent on a run that cannot fit."""
     evaluator = _evaluator(device)
-    tried, dim = [], _scenario(overrides).cfg.model.dim
+    found = _largest_fitting(evaluator, overrides, seq_lens, max_micro_batch,
+                             capacity * headroom)
+    found.update(capacity=capacity, headroom=headroom, model_dim=_scenario(overrides).cfg.model.dim)
+    if found["micro_batch"] is None:
+        return found
+    found["row_micro_batch"], found["row_predicted_peak"] = {}, {}
+    for name, extra in rows.items():
+        micro_batch = found["micro_batch"]
+        while True:
+            peak = evaluator.evaluate(_scenario(
+                [*overrides, *extra, f"data.seq_len={found['seq_len']}",
+                 f"train.micro_batch_size={micro_batch}"])).estimate.peak.total
+            if peak <= capacity * headroom or micro_batch == 1:
+                break
+            micro_batch //= 2
+        found["row_micro_batch"][name] = micro_batch
+        found["row_predicted_peak"][name] = peak
+    return found
+
+
+def _largest_fitting(evaluator, overrides: Sequence[str], seq_lens: Sequence[int],
+                     max_micro_batch: int, limit: float) -> dict:
+    tried = []
     for seq_len in seq_lens:
         best = None
         micro_batch = 1
@@ -150,7 +174,7 @@ def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Se
             scenario = _scenario([*overrides, "checkpointing=full", f"data.seq_len={seq_len}",
                                   f"train.micro_batch_size={micro_batch}"])
             peak = evaluator.evaluate(scenario).estimate.peak.total
-            fits = peak <= capacity * headroom
+            fits = peak <= limit
             tried.append({"seq_len": seq_len, "micro_batch": micro_batch, "predicted_peak": peak,
                           "fits": fits})
             if not fits:
@@ -158,11 +182,8 @@ def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Se
             best = micro_batch
             micro_batch *= 2
         if best is not None:
-            return {"seq_len": seq_len, "micro_batch": best, "model_dim": dim,
-                    "capacity": capacity,
-                    "headroom": headroom, "tried": tried}
-    return {"seq_len": None, "micro_batch": None, "capacity": capacity, "headroom": headroom,
-            "tried": tried}
+            return {"seq_len": seq_len, "micro_batch": best, "tried": tried}
+    return {"seq_len": None, "micro_batch": None, "tried": tried}
 
 
 def predict_stage(device: str, rows: Sequence[dict]) -> dict:
@@ -188,7 +209,9 @@ def predict_stage(device: str, rows: Sequence[dict]) -> dict:
             est = estimate(groups, outcome.profile, plan,
                            setup_of(scenario, orig_dtype, evaluator.optimizer_foreach))
             out[row["name"]] = {"predicted_peak": est.peak.total, "phase": est.peak.name,
-                                "activation_peak": est.activation_peak, "plan_from": source}
+                                "activation_peak": est.activation_peak, "plan_from": source,
+                                # kept outside the blocks (embedding, final norm, loss head)
+                                "rest_bytes": outcome.profile.rest_bytes}
         except Exception as exc:  # one row's failure must not cost the others
             out[row["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
@@ -204,7 +227,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seq-lens", default="4096,2048", help="fit: sequence lengths to try")
     parser.add_argument("--max-micro-batch", type=int, default=64)
     parser.add_argument("--headroom", type=float, default=0.9)
-    parser.add_argument("--rows", help="predict: JSON file of [{name, overrides, plan_json}]")
+    parser.add_argument("--rows", help="fit: JSON file of {name: overrides}; predict: of "
+                                       "[{name, overrides, plan_json}]")
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:cut])
@@ -215,9 +239,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.stage == "parity":
         result = parity_stage(args.device, args.work, args.seq_len)
     elif args.stage == "fit":
+        rows = {}
+        if args.rows:
+            with open(args.rows) as f:
+                rows = json.load(f)
         result = fit_stage(args.device, args.capacity, args.overrides,
                            [int(s) for s in args.seq_lens.split(",")], args.max_micro_batch,
-                           args.headroom)
+                           args.headroom, rows)
     else:
         with open(args.rows) as f:
             result = predict_stage(args.device, json.load(f))

@@ -55,7 +55,7 @@ def fetch(folder: str, python_version: str = "3.12") -> list[str]:
     for command in fetch_commands(folder, python_version):
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[3:])} failed: "
+            raise RuntimeError(f"--fetch-wheels: {' '.join(command[3:])} failed: "
                                f"{(result.stderr.strip().splitlines() or ['?'])[-1]}")
     return sorted(glob.glob(os.path.join(folder, "*.whl")))
 
@@ -95,6 +95,7 @@ def use(site: str, repo: str, env: Optional[Mapping[str, str]] = None) -> dict[s
     if site not in sys.path:
         sys.path.insert(0, site)
     env = dict(os.environ if env is None else env)
-    paths = [site, repo] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = list(dict.fromkeys([site, repo] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p]))
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env

@@ -53,10 +53,11 @@ def test_cpu_smoke_parity_covers_every_policy_and_target(smoke) -> None:
 
 def test_cpu_smoke_bench_rows_and_predictions(smoke) -> None:
     _, report, out = smoke
-    bench = report["stages"]["bench"]
+    bench, fit = report["stages"]["bench"], report["stages"]["fit"]
     assert set(bench["rows"]) == set(gpu_check.ROWS)
     for name, row in bench["rows"].items():
-        assert row["ok"] and row["tokens_per_s"] > 0 and row["micro_batch"] == bench["micro_batch"]
+        assert row["ok"] and row["tokens_per_s"] > 0
+        assert row["micro_batch"] == fit["row_micro_batch"][name.removeprefix("ref:")]
         assert all(loss == loss for loss in row["losses"]), name  # no NaN
     rows = bench["rows"]
     assert rows["full"]["act_saved_bytes"] < rows["none"]["act_saved_bytes"]
@@ -69,6 +70,27 @@ def test_cpu_smoke_bench_rows_and_predictions(smoke) -> None:
     markdown = (out / "gpu_check.md").read_text()
     assert all(f"| {name} |" in markdown for name in gpu_check.ROWS)
     assert "| G2: " in markdown and "| G1: " in markdown
+
+
+def test_fit_halves_the_micro_batch_of_a_row_predicted_not_to_fit() -> None:
+    from launch import gpu_stages
+
+    common = [*gpu_check.TINY, "data=synthetic", "data.seq_len=64"]
+    rows = {"none": ["checkpointing=none"], "full": ["checkpointing=full"]}
+    evaluator = gpu_stages._evaluator("cpu")
+
+    def peak(policy: str, micro_batch: int) -> int:
+        return evaluator.evaluate(gpu_stages._scenario(
+            [*common, f"checkpointing={policy}", f"train.micro_batch_size={micro_batch}"])
+        ).estimate.peak.total
+
+    assert peak("none", 4) > peak("full", 4)
+    # Room for exactly `full` at micro-batch 4: `none` must come down to a smaller one.
+    fit = gpu_stages.fit_stage("cpu", peak("full", 4), common, [64], 4, 1.0, rows)
+    assert fit["micro_batch"] == 4 and fit["row_micro_batch"]["full"] == 4
+    smaller = fit["row_micro_batch"]["none"]
+    assert smaller < 4 and (peak("none", smaller) <= peak("full", 4) or smaller == 1)
+    assert fit["row_predicted_peak"]["none"] == peak("none", smaller)
 
 
 def test_a_failing_stage_is_recorded_and_the_next_still_runs(tmp_path) -> None:
@@ -178,16 +200,17 @@ def _result(sel_mfu: float, sel_tps: float, ref_tps: float, full_tps: float, off
                            "full": {**row, "tokens_per_s": full_tps},
                            "full + offload=cpu": {**row, "tokens_per_s": off_tps,
                                                   "act_saved_bytes": off_saved}}},
-        "predict": {"rows": {"full": {"ratio": 1.04}, "none": {"ratio": 0.85}}}}}
+        "predict": {"rows": {"full": {"ratio": 1.04}, "none": {"ratio": 0.85},
+                             "full + offload=cpu": {"rest_bytes": 10 ** 9}}}}}
 
 
 def test_targets_are_judged_from_the_figures() -> None:
     block_input = 2 * 4096 * 2048 * 2
     met = {name: ok for name, ok, _ in gpu_table.targets(
-        _result(0.5, 98.0, 100.0, 100.0, 98.0, 2 * block_input))}
+        _result(0.5, 98.0, 100.0, 100.0, 98.0, 10 ** 9 + 2 * block_input))}
     assert [v for k, v in met.items() if k.startswith("G1")] == [True]
     assert [v for k, v in met.items() if k.startswith("G2")] == [True]
     assert [v for k, v in met.items() if k.startswith("report")] == [False]  # 0.85 is off by 15%
     missed = {name[:2]: ok for name, ok, _ in gpu_table.targets(
-        _result(0.5, 96.0, 100.0, 100.0, 96.0, 3 * block_input))}
+        _result(0.5, 96.0, 100.0, 100.0, 96.0, 10 ** 9 + 3 * block_input))}
     assert missed["G1"] is False and missed["G2"] is False

@@ -120,8 +120,10 @@ def test_gradients_bitwise_identical(target: str, recompute: bool, tmp_path) -> 
     assert all(s.moved_count > 0 and s.forced_releases == 0 for s in stats)
     if recompute:
         # Under checkpoint the hooks see only the checkpoint's inputs: one activation per block.
+        # (torch 2.11's checkpoint also saves an empty placeholder per block: kept, 0 bytes.)
         assert all(s.offloaded_bytes == 4 * BATCH * SEQ * DIM * 4 for s in stats)
-        assert all(s.saved_count == 4 and s.moved_count == 4 for s in stats)
+        assert all(s.moved_count == 4 and s.saved_count == 4 + s.kept_count for s in stats)
+        assert all(s.kept_bytes == 0 for s in stats)
     else:
         assert all(s.excluded_count > 0 and s.kept_count > 0 for s in stats)
     assert all(s.prefetched_groups == 3 for s in stats)  # every block but the last in backward
