@@ -33,8 +33,8 @@ from torch import Tensor
 from offload.cuda import (Copier, CudaCopier, Event, HoldUntil, copy_in_staged,
                           copy_out_staged)
 from offload.engine import OffloadError, resolve_device
-from offload.files import (FOLDER_PREFIX, check_writable, cleanup_stale, host_tag, map_private,
-                           read_into, write_all)
+from offload.files import (FOLDER_PREFIX, check_writable, cleanup_stale, hold, host_tag,
+                           map_private, read_into, write_all)
 from offload.heap import release_free_heap
 
 __all__ = ["DiskStore", "FOLDER_PREFIX", "check_writable", "cleanup_stale", "host_tag"]
@@ -85,6 +85,7 @@ class DiskStore:
         self.folder = os.path.join(dir, f"{FOLDER_PREFIX}{host_tag()}-{os.getpid()}-"
                                         f"{secrets.token_hex(4)}")
         os.makedirs(self.folder)
+        self._held = hold(self.folder)  # until close, or until this process ends in any way
         self._cond = threading.Condition()
         self._live: dict[int, _DiskTicket] = {}  # by id(ticket): not yet released
         self._next_file = 0
@@ -200,6 +201,7 @@ class DiskStore:
             self._reader.join(timeout=60)
             self._holds.drain()
             shutil.rmtree(self.folder, ignore_errors=True)
+            os.close(self._held)
 
     def __enter__(self) -> "DiskStore":
         return self

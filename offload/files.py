@@ -5,6 +5,7 @@ Kept apart from the store's threads and bookkeeping (offload/disk.py), which onl
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -36,29 +37,44 @@ def host_tag() -> str:
     return socket.gethostname().replace(os.sep, "_").replace("-", "_")
 
 
-def _alive(pid: int) -> bool:
+def hold(folder: str) -> int:
+    """Take an exclusive lock on the folder itself for this process's lifetime; returns the
+    descriptor. The kernel drops it when the process ends in any way (kill -9 too, and before a
+    dead child is reaped, while its pid still answers), so a folder whose lock can be taken is
+    stale."""
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _held(folder: str) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # gone already
         return False
-    except PermissionError:  # someone else's process
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)  # also drops a lock just taken
+    return False
 
 
 def cleanup_stale(dir: str) -> list[str]:
     """Remove the folders that crashed runs on this host left in `dir`; returns their paths.
 
-    A folder is named <prefix><host>-<pid>-<token>. Only this host's folders whose process is gone
-    are removed: on a shared file system another node's live run looks like a dead local pid.
+    A folder is named <prefix><host>-<pid>-<token> and holds a lock while its process lives (see
+    `hold`). Only this host's folders are looked at: file locks across a shared file system are not
+    to be relied on, and another node's live run must not lose its files.
     """
     removed = []
     for name in sorted(os.listdir(dir)):
         parts = name[len(FOLDER_PREFIX):].split("-") if name.startswith(FOLDER_PREFIX) else []
         if len(parts) != 3 or parts[0] != host_tag() or not parts[1].isdigit():
             continue
-        if not _alive(int(parts[1])):
-            path = os.path.join(dir, name)
+        path = os.path.join(dir, name)
+        if not _held(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

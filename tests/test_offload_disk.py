@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload.disk import FOLDER_PREFIX, DiskStore, check_writable, host_tag
 from offload.engine import OffloadError, Offloader
+from offload.files import hold
 from offload.heap import can_release, release_free_heap
+from tests.helpers import REPO
 from tests.test_offload_engine import MIN_BYTES, Toy, batch, wrap_blocks
 
 
@@ -83,20 +86,32 @@ def test_nothing_left_on_disk_when_a_step_raises(tmp_path) -> None:
 
 
 def test_stale_folders_of_dead_processes_are_removed(tmp_path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    stale = tmp_path / f"{FOLDER_PREFIX}{host_tag()}-{int(dead.stdout)}-abcd"
+    # A rank killed with kill -9 and not yet reaped by its launcher: its pid still answers
+    # (a zombie), but the lock it held on its folder is gone.
+    code = ("import sys, time; from offload.disk import DiskStore; "
+            f"s = DiskStore({str(tmp_path)!r}, 'cpu'); print(s.folder, flush=True); "
+            "time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    stale = Path(child.stdout.readline().strip())
+    (stale / "0.bin").write_bytes(b"x")
+    child.kill()
+    time.sleep(0.5)
+    os.kill(child.pid, 0)  # still answers: not reaped
     alive = tmp_path / f"{FOLDER_PREFIX}{host_tag()}-{os.getpid()}-beef"
-    other_host = tmp_path / f"{FOLDER_PREFIX}elsewhere-{int(dead.stdout)}-abcd"
-    for folder in (stale, alive, other_host):
+    other_host = tmp_path / f"{FOLDER_PREFIX}elsewhere-{child.pid}-abcd"
+    for folder in (alive, other_host):
         folder.mkdir()
         (folder / "0.bin").write_bytes(b"x")
+    held = hold(str(alive))  # a live run's folder, as every DiskStore holds its own
     store = DiskStore(str(tmp_path), "cpu")
     try:
         assert store.removed_stale == [str(stale)]
         assert not stale.exists() and alive.exists() and other_host.exists()
     finally:
         store.close()
+        os.close(held)
+        child.wait()
 
 
 def test_unwritable_or_full_dir_is_a_clear_error(tmp_path) -> None:

@@ -31,8 +31,11 @@ def _run(cfg: DictConfig) -> None:
         cli.exit_after_error()
 
     from checkpointing.policies import BudgetError
+    from offload.engine import OffloadError
     from trainer.loop import train
-    from trainer.faults import CollectiveFailure
+    from trainer.faults import CollectiveFailure, FaultLimit
+    from trainer.precheck import as_config_error, setting_of
+    from trainer.ownership import RunDirBusy
     from trainer.state import CheckpointError
 
     from hydra.types import RunMode
@@ -50,11 +53,29 @@ def _run(cfg: DictConfig) -> None:
     except CheckpointError as exc:  # known only once the checkpoint meets the built model
         cli.report(ConfigError("save.resume", str(exc)))
         cli.exit_after_error()
-    except CollectiveFailure as exc:  # names the rank and the operation; the trace adds nothing
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    except RunDirBusy as exc:  # another live run holds this run directory
+        cli.report(ConfigError("train.run_name", str(exc)))
+        cli.exit_after_error()
+    except (CollectiveFailure, FaultLimit, OffloadError) as exc:
+        # Names the rank and the operation, or the setting and what happened: the trace adds
+        # nothing. Not a configuration mistake, so not status 2.
+        if _debug():
+            raise
+        if isinstance(exc, CollectiveFailure) or cli.world_from_env(os.environ)[0] == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except ValueError as exc:  # our own messages start with the setting to change
+        if _debug() or setting_of(str(exc)) is None:
+            raise
+        cli.report(as_config_error(exc))
+        cli.exit_after_error()
     if status:
         sys.exit(status)  # preempted after saving: the launcher may run it again
+
+
+def _debug() -> bool:
+    """HYDRA_FULL_ERROR=1 asks for the whole traceback, as it does for Hydra's own errors."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
 def main() -> None:

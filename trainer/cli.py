@@ -13,7 +13,7 @@ import sys
 from typing import Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
-from trainer.validate import Layout, validate  # noqa: F401
+from trainer.validate import Layout, check_writable, validate  # noqa: F401
 from trainer.rundir import register_resolver
 
 USAGE_ERROR = 2
@@ -128,8 +128,15 @@ def check(overrides: Sequence[str], env: Mapping[str, str],
     except Exception as exc:  # Hydra and OmegaConf raise many types; all are user input here
         raise ConfigError("config", describe_compose_error(exc)) from exc
     layout = validate(cfg, world_size=world, num_nodes=nodes)
-    if cfg.train.device == "cuda" and local_gpus:
-        _check_gpus(int(env.get("LOCAL_WORLD_SIZE", str(world))))
+    if local_gpus:  # this machine runs it: its GPUs and its run directory
+        if cfg.train.device == "cuda":
+            _check_gpus(int(env.get("LOCAL_WORLD_SIZE", str(world))))
+        for key in ("hydra.run.dir", "hydra.sweep.dir"):
+            run_dir = next((o.split("=", 1)[1] for o in overrides
+                            if o.startswith(key + "=")), None)
+            if run_dir:
+                check_writable(run_dir, key)
+        check_writable(cfg.train.out_dir, "train.out_dir")
     return cfg, layout
 
 
@@ -179,7 +186,10 @@ def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
     try:
         jobs = expand_sweep(overrides) if any(a in _MULTIRUN_FLAGS for a in argv) else [overrides]
         for job in jobs:
-            check(job, env)
+            cfg, _ = check(job, env)
+            from trainer.precheck import deep_check  # may import torch: after the quick checks
+
+            deep_check(cfg)
     except ConfigError as exc:
         report(exc, env)
         return USAGE_ERROR

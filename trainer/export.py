@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from trainer.ckpt_meta import SafeReader, UnsafeMetadata
 from trainer.state import STATE, list_checkpoints, verify
 
 
@@ -38,7 +39,13 @@ def _pick(path: str) -> str:
 
 def load_model_state(folder: str) -> dict[str, torch.Tensor]:
     """The model's full tensors from a DCP checkpoint, by parameter name."""
-    metadata = dcp.FileSystemReader(folder).read_metadata()
+    reader = SafeReader(folder)
+    try:
+        metadata = reader.read_metadata()
+    except UnsafeMetadata as error:
+        raise SystemExit(f"error: {os.path.join(folder, '.metadata')} names {error}, which a "
+                         "checkpoint's metadata never holds; refusing to read it (it would run "
+                         "code)") from None
     model = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
@@ -46,7 +53,7 @@ def load_model_state(folder: str) -> dict[str, torch.Tensor]:
     state = {"model": model}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=folder, no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state["model"]
 
 

@@ -22,6 +22,11 @@ from torch import nn
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+
+class FaultLimit(RuntimeError):
+    """The run cannot go on within its fault settings (bad steps, rollbacks); the message names
+    the setting and what to change."""
+
 class PreemptionSignal:
     """Remembers that SIGTERM or `extra` (e.g. "SIGUSR1") arrived; the loop acts on it at the
     next step boundary. The handlers only set a flag: a signal mid-collective must not unwind it."""

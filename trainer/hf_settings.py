@@ -7,15 +7,22 @@ from __future__ import annotations
 import json
 import os
 
-from trainer.config import Config, ModelConfig
+from trainer.config import Config, ConfigError, ModelConfig
 from trainer.validate import require
 
 
 def hf_fields(m: ModelConfig) -> dict:
     """The HF config's fields as given (hf_config) or saved (path/config.json)."""
     if m.path:
-        with open(os.path.join(m.path, "config.json")) as f:
-            return json.load(f)
+        path = os.path.join(m.path, "config.json")
+        try:
+            with open(path) as f:
+                fields = json.load(f)
+        except ValueError as exc:
+            raise ConfigError("model.path", f"{path} is not valid JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise ConfigError("model.path", f"{path} must hold a JSON object")
+        return fields
     return dict(m.hf_config or {})
 
 

@@ -33,10 +33,11 @@ from trainer.data import train_batch, val_batches
 from trainer.model import lm_loss
 from trainer.prefetch import Prefetcher
 from trainer.task import Task, build_task_datasets, task_for
-from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
+from trainer.faults import (CollectiveFailure, FaultLimit, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
 from trainer.metrics import RunLogger, peak_flops, peak_memory_bytes, peak_reserved_bytes
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from trainer.ownership import RunDirBusy, RunLock, set_aside
 from trainer.resume import Progress, resume, rollback, train_state
 from trainer.state import Checkpointer, clear_stopped, mark_stopped
 
@@ -147,16 +148,47 @@ def _collectives(rank: int, operation: str, timeout_s: int) -> Iterator[None]:
         raise
 
 
-def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
-    t, device = cfg.train, denv.device
-    # Dropout masks differ per rank (as their data does) but repeat run to run.
-    torch.manual_seed(t.seed + denv.rank)
+def _own_run_dir(cfg: Config, run_dir: str, denv: DistEnv) -> Optional[RunLock]:
+    """Rank 0 locks the run directory (every rank learns whether it could) and, for a fresh
+    start in a directory with a history, sets that history aside."""
+    lock, outcome = None, [None]
+    if denv.is_main:
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+            if not cfg.save.resume:
+                moved = set_aside(run_dir, cfg.save.dir or os.path.join(run_dir, "checkpoints"))
+                if moved:
+                    log.warning("save.resume=false: starting over; the earlier checkpoints and "
+                                "metrics of this run directory were moved to %s",
+                                " and ".join(moved))
+        except RunDirBusy as exc:
+            outcome = [str(exc)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RunDirBusy(outcome[0])
+    return lock
 
+
+def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
+    # Dropout masks differ per rank (as their data does) but repeat run to run.
+    torch.manual_seed(cfg.train.seed + denv.rank)
+    lock = _own_run_dir(cfg, run_dir, denv)
+    try:
+        return _train_owned(cfg, layout, run_dir, denv)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_owned(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
+    t, device = cfg.train, denv.device
     meter = SavedBytesMeter()
     built = build_model(cfg, denv, layout.replicate, meter, run_dir)
     checkpointer = Checkpointer(cfg.save.dir or os.path.join(run_dir, "checkpoints"),
                                 cfg.save.keep, cfg.save.async_save, denv.rank, denv.world_size,
-                                device)
+                                device, dataclasses.asdict(cfg.model))
     train_set, val_set = build_task_datasets(cfg.model, cfg.data, model_vocab_size(cfg.model),
                                              t.seed)
     batches = Prefetcher(lambda index: train_batch(train_set, index, t.micro_batch_size,
@@ -305,12 +337,12 @@ def _bad_step(verdict: Verdict, step: int, progress: Progress, checkpointer: Che
     if not verdict.rollback:
         return progress
     if progress.rollbacks >= max_rollbacks:
-        raise RuntimeError(f"faults.max_rollbacks: {max_rollbacks} rollbacks already, and again "
+        raise FaultLimit(f"faults.max_rollbacks: {max_rollbacks} rollbacks already, and again "
                            f"{verdict.reason} at step {step}; lower optim.lr or inspect the data")
     restored = rollback(checkpointer, model, optimizer, scheduler, progress)
     if restored is None:
         if guard.bad_in_a_row >= guard.max_bad:
-            raise RuntimeError(f"faults.max_bad_steps: {guard.bad_in_a_row} bad steps in a row "
+            raise FaultLimit(f"faults.max_bad_steps: {guard.bad_in_a_row} bad steps in a row "
                                f"({verdict.reason}) and no checkpoint to roll back to; lower "
                                "optim.lr, or save earlier with save.every")
         logger.info(f"step {step}: {verdict.reason}; no checkpoint to roll back to, the update "

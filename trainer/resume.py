@@ -66,7 +66,7 @@ def _restore(loaded: Loaded, scheduler) -> Progress:
 def resume(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer,
            scheduler, layout: Layout, cfg: Config, rank: int) -> Optional[tuple[Progress, str]]:
     """Load the newest intact checkpoint, if any: (progress, one line saying what happened)."""
-    loaded = checkpointer.load_latest(model, optimizer)
+    loaded = checkpointer.load_latest(model, optimizer, refuse_if_all_damaged=True)
     if loaded is None:
         return None
     progress = _restore(loaded, scheduler)

@@ -9,7 +9,8 @@ One checkpoint is a folder `<root>/step_<N>`:
 A folder without its commit marker is torn (killed while saving) and never loaded; one whose files
 do not match the marker is corrupt and is skipped with a warning naming it. Older committed
 checkpoints are deleted only after a newer one is committed, so the last good one always exists.
-Nothing is unpickled: DCP reads tensors, `torch.load(weights_only=True)` the RNG states.
+Nothing unknown is unpickled: DCP's `.metadata` goes through an unpickler that admits only its
+own types (trainer/ckpt_meta.py), `torch.load(weights_only=True)` reads the RNG states.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.ckpt_meta import SafeReader, UnsafeMetadata, shape_mismatches
 
 log = logging.getLogger("trainer")
 
@@ -159,8 +163,9 @@ class Checkpointer:
     """
 
     def __init__(self, root: str, keep: int, async_save: bool, rank: int, world_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, model_settings: Optional[dict] = None) -> None:
         self.root, self.keep, self.async_save = root, keep, async_save
+        self.model_settings = model_settings or {}  # to name what changed when shapes differ
         self.rank, self.world_size, self.device = rank, world_size, device
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: Optional[tuple[int, str, Future]] = None
@@ -253,19 +258,33 @@ class Checkpointer:
 
     # --- loading -----------------------------------------------------------------------------
 
-    def load_latest(self, model: nn.Module,
-                    optimizer: torch.optim.Optimizer) -> Optional[Loaded]:
-        """Load the newest intact committed checkpoint into model and optimizer (every rank)."""
-        choice = [None]
+    def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    refuse_if_all_damaged: bool = False) -> Optional[Loaded]:
+        """Load the newest intact committed checkpoint into model and optimizer (every rank).
+
+        refuse_if_all_damaged: when checkpoints were committed but none is intact, raise
+        instead of returning None: starting again from step 0 would silently repeat the history
+        (resume); a rollback has its own answer to "nothing to go back to".
+        """
+        choice: list = [None, None]
         if self.rank == 0:
+            damaged = []
             for step, path in list_checkpoints(self.root):
                 problem = verify(path)
                 if problem is None:
                     choice[0] = path
                     break
                 log.warning("checkpoint %s skipped: %s", path, problem)
+                damaged.append((path, problem))
+            committed = [p for p, _ in damaged if os.path.exists(os.path.join(p, COMMIT))]
+            if choice[0] is None and committed and refuse_if_all_damaged:
+                choice[1] = (f"every checkpoint in {self.root} is damaged (" + "; ".join(
+                    f"{os.path.basename(p)}: {why}" for p, why in damaged) + "); to start over "
+                    "deliberately, set save.resume=false (they are moved aside, not deleted)")
         if self.group is not None:
             dist.broadcast_object_list(choice, src=0, group=self.group)
+        if choice[1] is not None:
+            raise CheckpointError(choice[1])
         if choice[0] is None:
             return None
         return self.load(choice[0], model, optimizer)
@@ -273,13 +292,24 @@ class Checkpointer:
     def load(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Loaded:
         model_state, optim_state = get_state_dict(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
+        reader = SafeReader(folder)
         try:
-            dcp.load(tensors, checkpoint_id=folder, process_group=self.group,
+            metadata = reader.read_metadata()
+        except UnsafeMetadata as error:
+            raise CheckpointError(f"{os.path.join(folder, '.metadata')} names {error}, which a "
+                                  "checkpoint's metadata never holds; refusing to read it (it "
+                                  "would run code). Use a checkpoint from a trusted source") from None
+        mismatches = shape_mismatches(metadata, model_state)
+        if mismatches:
+            raise CheckpointError(self._another_model(folder, mismatches))
+        try:
+            dcp.load(tensors, storage_reader=reader, process_group=self.group,
                      no_dist=self.group is None)
-        except Exception as error:
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            first = str(error).strip().splitlines()[-1][:300]
             raise CheckpointError(
-                f"checkpoint {folder} does not fit this model or optimizer ({error}); start a "
-                "new run (train.run_name=...) or restore the config it was saved with") from error
+                f"checkpoint {folder} does not fit this model or optimizer ({first}); restore "
+                "the config it was saved with, or start over with save.resume=false") from None
         set_state_dict(model, optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])
         with open(os.path.join(folder, STATE)) as f:
@@ -291,6 +321,21 @@ class Checkpointer:
         step = int(os.path.basename(folder)[len("step_"):])
         self.last_committed = step
         return Loaded(folder, state, rng_restored)
+
+    def _another_model(self, folder: str, mismatches: list[str]) -> str:
+        """Which parameters differ, and which model.* settings changed since the save."""
+        changed = []
+        try:
+            with open(os.path.join(folder, STATE)) as f:
+                saved = json.load(f)["config"]["model"]
+            changed = [f"model.{k} {saved.get(k)!r} -> {v!r}" for k, v in
+                       sorted(self.model_settings.items()) if saved.get(k) != v]
+        except (OSError, ValueError, KeyError):
+            pass
+        more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+        settings = f"; changed since the save: {', '.join(changed)}" if changed else ""
+        return (f"checkpoint {folder} holds another model: {mismatches[0]}{more}{settings}; "
+                "set them back to resume, or start over with save.resume=false")
 
     def _gather(self, files: dict[str, list[int]]) -> dict[str, list[int]]:
         if self.group is None:

@@ -196,6 +196,7 @@ def tokenize_files(inputs: list[str], out_dir: str, encoder: Encoder, val_fracti
     temp_paths = {split: os.path.join(out_dir, f"{split}.bin.partial") for split in SPLITS}
     counts = {split: 0 for split in SPLITS}
     documents_per_split = {split: 0 for split in SPLITS}
+    max_ids = {split: -1 for split in SPLITS}
     eos = None if eos_id is None else np.asarray([eos_id], dtype=dtype)
     handles = {split: open(temp_paths[split], "wb") for split in SPLITS}
     try:
@@ -204,9 +205,12 @@ def tokenize_files(inputs: list[str], out_dir: str, encoder: Encoder, val_fracti
                 ids = encoder.encode(chunk)
                 ids.astype(dtype).tofile(handles[split])
                 counts[split] += len(ids)
+                if len(ids):
+                    max_ids[split] = max(max_ids[split], int(ids.max()))
             if eos is not None:
                 eos.tofile(handles[split])
                 counts[split] += 1
+                max_ids[split] = max(max_ids[split], eos_id)
             documents_per_split[split] += 1
         for handle in handles.values():
             handle.close()
@@ -222,6 +226,9 @@ def tokenize_files(inputs: list[str], out_dir: str, encoder: Encoder, val_fracti
         "vocab_size": encoder.vocab_size,
         "dtype": token_dtype(encoder.vocab_size),
         "num_tokens": counts,
+        # The largest id in each file: the trainer checks it against model.vocab_size at start
+        # without reading the files again.
+        "max_id": max_ids,
         "num_documents": documents_per_split,
         "tokenizer": encoder.name,
         "eos_id": eos_id,

@@ -55,15 +55,20 @@ def _check_token_files(data: DataConfig, vocab_size: int) -> None:
                 f"({meta_path})")
     width = 2 if data.token_dtype == "uint16" else 4
     for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
-        num_tokens = os.path.getsize(path) // width
+        size = os.path.getsize(path)
+        require(size % width == 0, key, f"{path} is {size} bytes, not a multiple of {width} "
+                f"({data.token_dtype}); is data.token_dtype right, or was the file cut short?")
+        num_tokens = size // width
         require(num_tokens > data.seq_len, key,
                 f"{path} holds {num_tokens} tokens, fewer than one sample of data.seq_len+1="
                 f"{data.seq_len + 1}; lower data.seq_len or add data")
 
 
-def _check_writable(path: str, key: str) -> None:
+def check_writable(path: str, key: str) -> None:
     """The nearest existing folder on the way to `path` must be writable, so the run can create it."""
     probe = os.path.abspath(path)
+    require(not os.path.exists(probe) or os.path.isdir(probe), key,
+            f"{path} exists and is not a folder; choose a folder")
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
         if parent == probe:
@@ -217,7 +222,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
             f"true does not combine with offload={o.target} yet (saved-tensor hooks inside "
             "compiled blocks); set train.compile=false or offload=none")
     if o.target == "disk":
-        _check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
+        check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
     require(cfg.train.stop_at_step is None or 0 < cfg.train.stop_at_step, "train.stop_at_step",
             f"must be null or a positive step, got {cfg.train.stop_at_step}")
     sv, f = cfg.save, cfg.faults
@@ -225,6 +230,9 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
     for key in ("save.keep", "faults.max_bad_steps", "faults.spike_window"):
         require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
+    for key in ("faults.inject_nan_at", "faults.inject_spike_at", "faults.inject_hang_at"):
+        bad = [b for b in _get(cfg, key) if not (isinstance(b, int) and b >= 0)]
+        require(not bad, key, f"data batch indices must be integers >= 0, got {bad}")
     require(f.spike_factor == 0 or f.spike_factor > 1, "faults.spike_factor",
             f"must be 0 (off) or above 1, got {f.spike_factor}")
     require(sv.signal is None or sv.signal in SIGNALS, "save.signal",
@@ -232,7 +240,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     require(0 < sv.preempt_exit_code < 256, "save.preempt_exit_code",
             f"must be an exit status 1..255, got {sv.preempt_exit_code}")
     if sv.dir is not None:
-        _check_writable(sv.dir, "save.dir")
+        check_writable(sv.dir, "save.dir")
     if cfg.sharding.cpu_offload:
         require(cfg.sharding.mode != "none", "sharding.cpu_offload",
                 "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")

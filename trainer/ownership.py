@@ -1,0 +1,98 @@
+"""A run directory has one owner and one history.
+
+`RunLock`: rank 0 holds an exclusive lock on `<run dir>/.lock` for the whole run, so a second
+run started on the same directory is refused in one line (naming the host and pid that hold
+it) instead of interleaving `metrics.jsonl` and sharing a W&B run. The kernel drops the lock when
+the holder ends in any way, kill -9 included, so a stale lock of a dead run is simply taken over;
+the file's text only says who held it last.
+
+`set_aside`: `save.resume=false` in a directory that has a history moves that history
+(checkpoints, metrics, the W&B run id) into `<run dir>/previous-<time>/`, so a later automatic
+resume only ever sees the current run. Nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+LOCK_FILE = ".lock"
+# Besides the checkpoints: what a run appends to or reuses (trainer/metrics.py, wandb_log.py,
+# state.py's stop marker).
+HISTORY = ("metrics.jsonl", "wandb_run_id", "preempted.json")
+
+
+class RunDirBusy(RuntimeError):
+    """Another live process holds the run directory."""
+
+
+class RunLock:
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd)
+            os.close(fd)
+            raise RunDirBusy(
+                f"run directory {os.path.dirname(self.path)} is in use by pid "
+                f"{holder.get('pid', '?')} on {holder.get('host', '?')} (started "
+                f"{holder.get('started', '?')}); wait for that run, or start this one under "
+                "another train.run_name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the lock goes with the descriptor; the file may stay
+            self._fd = None
+
+
+def _read(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except ValueError:
+        return {}
+
+
+def set_aside(run_dir: str, checkpoint_dir: str) -> list[str]:
+    """Move an earlier history out of the way of a fresh start; returns where it went. Moves
+    stay on their file system: a `save.dir` outside the run directory is renamed beside itself."""
+    stamp = time.strftime("previous-%Y%m%d-%H%M%S")
+    within = os.path.dirname(os.path.abspath(checkpoint_dir)) == os.path.abspath(run_dir)
+    inside = [os.path.join(run_dir, name) for name in HISTORY]
+    inside += [checkpoint_dir] if within else []
+    found = [p for p in inside if os.path.exists(p) and not _empty_dir(p)]
+    moved = []
+    if found:
+        target = _fresh(os.path.join(run_dir, stamp))
+        os.makedirs(target)
+        for path in found:
+            os.replace(path, os.path.join(target, os.path.basename(path.rstrip(os.sep))))
+        moved.append(target)
+    if not within and os.path.isdir(checkpoint_dir) and not _empty_dir(checkpoint_dir):
+        target = _fresh(checkpoint_dir.rstrip(os.sep) + "-" + stamp)
+        os.replace(checkpoint_dir, target)
+        moved.append(target)
+    return moved
+
+
+def _empty_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.listdir(path)
+
+
+def _fresh(path: str) -> str:
+    suffix = 0
+    while os.path.exists(path + (f"-{suffix}" if suffix else "")):
+        suffix += 1
+    return path + (f"-{suffix}" if suffix else "")

@@ -1,0 +1,126 @@
+"""Checks that need torch, transformers or the data, run before Hydra makes the run directory.
+
+`validate` (trainer/validate.py) checks what the config's values alone can tell, without torch.
+Some mistakes only show against the libraries or the files: an op name aten does not have, a
+block pattern that matches no module, a Hugging Face model type transformers does not know, a
+token file of the wrong length or with ids the model cannot embed. Found here, they are one
+line and exit status 2 with nothing written, instead of a traceback after the run started.
+Each check runs only when its setting is in play, so a plain run pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+
+from trainer.config import DEFAULT_SAVE_OPS, Config, ConfigError
+
+# Messages of our own errors start with the setting to change ("data.train_path: ..." or
+# "model.block_pattern='x' ..."); this finds it.
+_KEY = re.compile(r"^((?:model|data|train|optim|sharding|checkpointing|offload|save|faults|"
+                  r"logging)(?:\.\w+)+)")
+TOKEN_SCAN_CHUNK = 1 << 24  # tokens per read while looking for the largest id
+
+
+def setting_of(message: str) -> str | None:
+    """The config key an error message starts with, if it names one."""
+    match = _KEY.match(message)
+    return match.group(1) if match else None
+
+
+def as_config_error(exc: Exception, fallback: str = "config") -> ConfigError:
+    message = str(exc)
+    key = setting_of(message)
+    if key and message[len(key):len(key) + 2] == ": ":
+        message = message[len(key) + 2:]  # "key: what" keeps what
+    elif key and message[len(key):len(key) + 1] == "=":
+        message = message[len(key) + 1:]  # "key=value what" keeps "value what"
+    return ConfigError(key or fallback, message)
+
+
+def deep_check(cfg: Config) -> None:
+    """Raises ConfigError for the mistakes above; see the module docstring."""
+    try:
+        _save_ops(cfg)
+        _hf_model_type(cfg)
+        _blocks(cfg)
+        _token_files(cfg)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise as_config_error(exc) from exc
+
+
+def _save_ops(cfg: Config) -> None:
+    c = cfg.checkpointing
+    if c.policy in ("selective", "budget") and tuple(c.save_ops) != DEFAULT_SAVE_OPS:
+        from checkpointing.wrap import resolve_ops
+
+        resolve_ops(c.save_ops)
+
+
+def _hf_model_type(cfg: Config) -> None:
+    m = cfg.model
+    if m.arch != "hf":
+        return
+    from trainer.hf_settings import hf_fields
+
+    model_type = hf_fields(m).get("model_type")
+    key = "model.hf_config.model_type" if m.path is None else "model.path"
+    where = "" if m.path is None else f"{os.path.join(m.path, 'config.json')}: "
+    if not isinstance(model_type, str):
+        raise ConfigError(key, f"{where}no model_type (e.g. llama, gpt2, qwen2)")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), 3)
+        raise ConfigError(key, f"{where}model_type {model_type!r} is not one transformers knows"
+                          + (f"; did you mean {', '.join(close)}?" if close else
+                             " (e.g. llama, gpt2, qwen2, mistral)"))
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(key, f"{where}model_type {model_type!r} has no causal language model "
+                          "in transformers (model=hf trains AutoModelForCausalLM)")
+
+
+def _blocks(cfg: Config) -> None:
+    if cfg.model.block_pattern is None:
+        return
+    from trainer.build import build_on_meta, find_model_blocks
+
+    find_model_blocks(build_on_meta(cfg.model), cfg.model.block_pattern)
+
+
+def _token_files(cfg: Config) -> None:
+    d = cfg.data
+    if d.source != "tokens":
+        return
+    from trainer.data import read_meta, token_file
+    from trainer.hf_settings import model_vocab_size
+
+    vocab = model_vocab_size(cfg.model)
+    for key, path in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+        if not path:
+            raise ConfigError(key, "required when data.source=tokens")
+        tokens = token_file(path, d.token_dtype, key)  # length and dtype width
+        largest = largest_token_id(path, tokens, read_meta(path))
+        if largest >= vocab:
+            raise ConfigError(key, f"{path} holds token id {largest}, but model.vocab_size is "
+                              f"{vocab} (ids must be < {vocab}); raise model.vocab_size or "
+                              "tokenize with the model's tokenizer")
+
+
+def largest_token_id(path: str, tokens, meta: dict | None) -> int:
+    """The largest id in a token file: from meta.json when the tokenize command recorded it for
+    this file (same size), else a chunked scan of the memory map."""
+    split = os.path.splitext(os.path.basename(path))[0]
+    recorded = (meta or {}).get("max_id", {})
+    counts = (meta or {}).get("num_tokens", {})
+    if split in recorded and counts.get(split) == len(tokens):
+        return int(recorded[split])
+    largest = 0
+    for start in range(0, len(tokens), TOKEN_SCAN_CHUNK):
+        largest = max(largest, int(tokens[start:start + TOKEN_SCAN_CHUNK].max()))
+    return largest
+
