@@ -44,33 +44,43 @@ def _run(cfg: DictConfig) -> None:
     try:
         status = train(config, layout, run_dir=hydra_cfg.runtime.output_dir,
                        keep_process_group=hydra_cfg.mode == RunMode.MULTIRUN)
-    except BudgetError as exc:  # known only after profiling the blocks on the device
-        cli.report(ConfigError("checkpointing.budget", str(exc)))
-        cli.exit_after_error()
-    except ConfigError as exc:  # known only once the model is built (e.g. model.freeze)
-        cli.report(exc)
-        cli.exit_after_error()
-    except CheckpointError as exc:  # known only once the checkpoint meets the built model
-        cli.report(ConfigError("save.resume", str(exc)))
-        cli.exit_after_error()
-    except RunDirBusy as exc:  # another live run holds this run directory
-        cli.report(ConfigError("train.run_name", str(exc)))
-        cli.exit_after_error()
+    except (BudgetError, ConfigError, CheckpointError, RunDirBusy, ValueError) as exc:
+        # Configuration mistakes known only once the run is under way: status 2. BudgetError:
+        # after profiling on the device; ConfigError: once the model is built (model.freeze);
+        # CheckpointError: once a checkpoint meets the built model; RunDirBusy: another live
+        # run holds the directory; ValueError: our own messages start with the setting.
+        key = {BudgetError: "checkpointing.budget", CheckpointError: "save.resume",
+               RunDirBusy: "train.run_name"}.get(type(exc))
+        if _debug() or (type(exc) is ValueError and setting_of(str(exc)) is None):
+            raise
+        error = exc if isinstance(exc, ConfigError) else (
+            ConfigError(key, str(exc)) if key else as_config_error(exc))
+        _fail(f"error: {str(error).removeprefix('config: ')}", 2)
     except (CollectiveFailure, FaultLimit, OffloadError) as exc:
         # Names the rank and the operation, or the setting and what happened: the trace adds
         # nothing. Not a configuration mistake, so not status 2.
         if _debug():
             raise
-        if isinstance(exc, CollectiveFailure) or cli.world_from_env(os.environ)[0] == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except ValueError as exc:  # our own messages start with the setting to change
-        if _debug() or setting_of(str(exc)) is None:
-            raise
-        cli.report(as_config_error(exc))
-        cli.exit_after_error()
+        _fail(f"error: {exc}", 1, every_rank=isinstance(exc, CollectiveFailure))
     if status:
         sys.exit(status)  # preempted after saving: the launcher may run it again
+
+
+def _fail(line: str, status: int, every_rank: bool = False) -> None:
+    """One line on the console (rank 0, or every rank where each has its own to say) and in
+    train.log, then exit; other ranks leave a moment later (see cli.exit_after_error)."""
+    import logging
+
+    rank = cli.world_from_env(os.environ)[0]
+    if rank == 0 or every_rank:
+        print(line, file=sys.stderr, flush=True)
+        for handler in logging.getLogger().handlers:  # Hydra's train.log handler
+            if isinstance(handler, logging.FileHandler):
+                handler.emit(logging.makeLogRecord({"name": "trainer", "levelno": logging.ERROR,
+                                                    "levelname": "ERROR", "msg": line}))
+    if status == 2:
+        cli.exit_after_error()
+    sys.exit(status)
 
 
 def _debug() -> bool:
@@ -85,7 +95,15 @@ def main() -> None:
     register_schema()
     register_resolver()
     sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)
-    _run()
+    try:
+        _run()
+    except KeyboardInterrupt:  # Ctrl-C twice, or before training started
+        if _debug():
+            raise
+        if cli.world_from_env(os.environ)[0] == 0:
+            print("\ninterrupted: stopped at once, without saving; the checkpoints written so "
+                  "far are kept", file=sys.stderr, flush=True)
+        sys.exit(130)
     if "torch.distributed" in sys.modules:  # a sweep kept its process group for all its jobs
         from launch.env import shutdown
 

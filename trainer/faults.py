@@ -8,8 +8,11 @@ vote (`StepVote`) of the flags each rank saw. No rank ever acts on a local flag 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import statistics
+import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,21 +31,48 @@ class FaultLimit(RuntimeError):
     the setting and what to change."""
 
 class PreemptionSignal:
-    """Remembers that SIGTERM or `extra` (e.g. "SIGUSR1") arrived; the loop acts on it at the
-    next step boundary. The handlers only set a flag: a signal mid-collective must not unwind it."""
+    """Remembers that SIGTERM, Ctrl-C (SIGINT) or `extra` (e.g. "SIGUSR1") arrived, or that the
+    torchrun agent that started this worker is gone; the loop finishes the step, saves and exits.
+    The handlers only set a flag: a signal mid-collective must not unwind it. A second Ctrl-C
+    stops at once (KeyboardInterrupt, which the entry point turns into one line).
 
-    def __init__(self, extra: Optional[str]) -> None:
+    watch_launcher: poll the parent process; when it changes (the agent was killed, kill -9
+    included, and this worker was handed to init), stop as if signalled, within a second.
+    """
+
+    def __init__(self, extra: Optional[str], announce: bool = True,
+                 watch_launcher: bool = False) -> None:
         self.received: Optional[str] = None
+        self.announce = announce
         self._previous = {}
-        names = ["SIGTERM"] + ([extra] if extra and extra != "SIGTERM" else [])
+        names = ["SIGTERM", "SIGINT"] + ([extra] if extra and extra not in ("SIGTERM", "SIGINT")
+                                         else [])
         for name in names:
             number = getattr(signal, name)
             self._previous[number] = signal.signal(number, self._handle)
+        self._stop_watch = threading.Event()
+        if watch_launcher:
+            parent = os.getppid()
+            threading.Thread(target=self._watch, args=(parent,), daemon=True,
+                             name="blocktrain-launcher-watch").start()
 
     def _handle(self, number: int, frame: object) -> None:
-        self.received = signal.Signals(number).name
+        name = signal.Signals(number).name
+        if name == "SIGINT" and self.received == "SIGINT":
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if name == "SIGINT" and self.announce:
+            print("\nCtrl-C: finishing this step and saving, then exiting (Ctrl-C again to stop "
+                  "at once, without saving)", file=sys.stderr, flush=True)
+        self.received = self.received or name
+
+    def _watch(self, parent: int) -> None:
+        while not self._stop_watch.wait(0.5):
+            if os.getppid() != parent:
+                self.received = self.received or "the torchrun agent is gone"
+                return
 
     def restore(self) -> None:
+        self._stop_watch.set()
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()

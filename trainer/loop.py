@@ -35,13 +35,15 @@ from trainer.prefetch import Prefetcher
 from trainer.task import Task, build_task_datasets, task_for
 from trainer.faults import (CollectiveFailure, FaultLimit, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
-from trainer.metrics import RunLogger, peak_flops, peak_memory_bytes, peak_reserved_bytes
+from trainer.metrics import (RunLogger, peak_flops, peak_memory_bytes, peak_reserved_bytes,
+                             run_summary)
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from trainer.ownership import RunDirBusy, RunLock, set_aside
 from trainer.resume import Progress, resume, rollback, train_state
-from trainer.state import Checkpointer, clear_stopped, mark_stopped
+from trainer.state import Checkpointer, checkpoint_path, clear_stopped, mark_stopped
 
 log = logging.getLogger("trainer")
+INTERRUPTED_EXIT = 130  # the shell's status for a command stopped by Ctrl-C
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -196,7 +198,10 @@ def _train_owned(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> in
                                                    denv.world_size, t.seed), cfg.data.workers)
     val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
                            denv.world_size)
-    preemption = PreemptionSignal(cfg.save.signal)
+    # Under torchrun, a worker whose agent was killed (kill -9 leaves no one to stop it) saves
+    # and stops by itself.
+    preemption = PreemptionSignal(cfg.save.signal, announce=denv.is_main,
+                                  watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
     try:
         status = _run(cfg, layout, run_dir, denv, built, meter, checkpointer, preemption,
                       batches, val_data)
@@ -255,6 +260,14 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         logger.info(resumed[1])
     else:
         logger.record({"step": 0, **evaluate(model, val_data, task, device)})
+    run_started, first_step = time.monotonic(), progress.step
+
+    def summary() -> None:
+        last = checkpointer.last_committed
+        logger.summary(run_summary(time.monotonic() - run_started, first_step, progress,
+                                   t.steps, peak_memory_bytes(device), device.type,
+                                   logger.last, None if last is None else
+                                   checkpoint_path(checkpointer.root, last)))
     guard = LossGuard(f.skip_nonfinite, f.max_bad_steps, f.spike_factor, f.spike_window)
     while progress.step < t.steps:
         step = progress.step + 1
@@ -314,15 +327,19 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
             save(step)
         if stop:
             checkpointer.wait()
-            if denv.is_main:  # before the ranks leave together: a launcher may act at once
+            by_hand = stop_reason == "SIGINT"  # Ctrl-C: no launcher should start it again
+            status = INTERRUPTED_EXIT if by_hand else cfg.save.preempt_exit_code
+            if denv.is_main and not by_hand:  # before the ranks leave: a launcher may act
                 mark_stopped(run_dir, step, stop_reason, cfg.save.preempt_exit_code)
-            logger.info(f"stopping ({stop_reason}): saved step "
-                        f"{step}; exiting with status {cfg.save.preempt_exit_code} "
+            logger.info(f"stopping ({'Ctrl-C' if by_hand else stop_reason}): saved step "
+                        f"{step}; exiting with status {status} "
                         "(start the same run again to continue)")
+            summary()
             logger.close()
-            return cfg.save.preempt_exit_code
+            return status
     if denv.is_main:
         clear_stopped(run_dir)  # a marker of an earlier stop of this run is stale now
+    summary()
     logger.close()
     return 0
 

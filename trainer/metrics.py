@@ -6,6 +6,7 @@ the training loop has no rank checks of its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,16 +58,22 @@ class RunLogger:
                  wandb_run=None, first_step: int = 0):
         self.enabled = run_dir is not None
         self.wandb = wandb_run
+        self.last: dict = {}  # the latest value of every metric recorded, for the summary
         self._file = None
         self._bar = None
         if not self.enabled:
             return
         self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        self._redirect = contextlib.ExitStack()
         if progress:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total_steps, initial=first_step, unit="step",
                              dynamic_ncols=True, leave=False, disable=None)
+            # Console lines print above the bar; train.log (Hydra's file handler) still gets
+            # every one of them.
+            self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def step(self, step: int, loss: float, tokens_per_s: float) -> None:
         """Every step: advance the progress bar."""
@@ -82,13 +89,10 @@ class RunLogger:
         """
         if not self.enabled:
             return
+        self.last.update(metrics)
         self._file.write(json.dumps(metrics) + "\n")
         if console:
-            line = " | ".join(_format(k, v) for k, v in metrics.items())
-            if self._bar is not None:
-                self._bar.write(line)
-            else:
-                log.info(line)
+            log.info(" | ".join(_format(k, v) for k, v in metrics.items()))
         if self.wandb is not None:
             logged = {k: v for k, v in metrics.items() if k != "step"}
             if wandb_step is not None:
@@ -103,18 +107,43 @@ class RunLogger:
 
     def info(self, message: str) -> None:
         if self.enabled:
-            if self._bar is not None:
-                self._bar.write(message)
-            else:
-                log.info(message)
+            log.info(message)
+
+    def summary(self, lines: list[str]) -> None:
+        """The end of a run, in a few lines (console and train.log)."""
+        if self.enabled:
+            if self.wandb is not None and self.wandb.sync_command():
+                lines = lines + [f"W&B ran offline; upload with: {self.wandb.sync_command()}"]
+            log.info("run summary:\n  " + "\n  ".join(lines))
 
     def close(self) -> None:
         if self._bar is not None:
+            self._redirect.close()
             self._bar.close()
         if self._file is not None:
             self._file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def run_summary(seconds: float, first_step: int, progress, total_steps: int, peak_bytes: int,
+                device_type: str, last: dict, checkpoint: Optional[str]) -> list[str]:
+    """The lines that end a run: how long, how far, how well, what memory, what to do next."""
+    minutes, secs = divmod(int(seconds), 60)
+    lines = [f"{minutes} min {secs} s; steps {first_step} -> {progress.step} of {total_steps}; "
+             f"{progress.tokens_seen:,} tokens seen"
+             + (f"; {progress.skipped_steps} skipped steps" if progress.skipped_steps else "")]
+    scores = [f"{k} {last[k]:.4f}" for k in ("loss", "val_loss", "val_accuracy") if k in last]
+    if scores:
+        lines.append("last " + ", ".join(scores))
+    lines.append(f"peak memory {peak_bytes / 2**30:.2f} GiB "
+                 f"({'max allocated' if device_type == 'cuda' else 'process peak RSS'})")
+    if checkpoint:
+        lines.append(f"last checkpoint {checkpoint}; export it with: python -m trainer.export "
+                     f"{checkpoint}")
+    else:
+        lines.append("no checkpoint written")
+    return lines
 
 
 def _format(key: str, value) -> str:

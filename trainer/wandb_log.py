@@ -49,8 +49,10 @@ def _call_with_deadline(fn, timeout_s: float) -> tuple[bool, Any]:
 
 
 class WandbLogger:
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, offline: bool = False):
         self.run = run
+        self.offline = offline
+        self.run_dir = getattr(run, "dir", None)  # <run dir>/wandb/<offline-run-...>/files
 
     @classmethod
     def start(cls, run_dir: str, config: dict, project: str, entity: Optional[str],
@@ -85,7 +87,13 @@ class WandbLogger:
         with open(id_path, "w") as f:
             f.write(run_id)
         log.info("W&B %s run %s in %s", mode, run_id, run_dir)
-        return cls(run)
+        return cls(run, offline=mode == "offline")
+
+    def sync_command(self) -> Optional[str]:
+        """For an offline run: the command that uploads it."""
+        if not self.offline or not self.run_dir:
+            return None
+        return f"wandb sync {os.path.dirname(os.path.normpath(self.run_dir))}"
 
     def log(self, metrics: dict, step: int) -> None:
         try:

@@ -1,0 +1,127 @@
+"""Stopping by hand and losing the launcher: no step of work is thrown away, no traceback; and
+the console log is the log (issue 13's second half)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers import QUICK, free_port, read_metrics, step_losses, subprocess_env
+
+LONG_RUN = QUICK + ["data=synthetic", "train.steps=400", "save.every=0", "train.eval_every=400"]
+
+
+def _start(overrides: list[str], cwd: Path, nproc: int = 1, **kwargs) -> subprocess.Popen:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "trainer", *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m",
+               "trainer", *overrides]
+    return subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(), text=True, **kwargs)
+
+
+def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the run ended early"
+        if (run_dir / "metrics.jsonl").exists() and any(
+                m.get("step", 0) >= step and "loss" in m for m in read_metrics(run_dir)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def _committed_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name[len("step_"):])
+                  for p in (run_dir / "checkpoints").glob("step_*/COMMITTED.json"))
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    process = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for_step(run_dir, 3, process)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in out + err and "Ctrl-C: finishing this step and saving" in err
+    last = max(step_losses(run_dir))
+    assert _committed_steps(run_dir) == [last]  # every finished step is in the checkpoint
+    assert f"stopping (Ctrl-C): saved step {last}" in out
+    assert not (run_dir / "preempted.json").exists()  # no launcher should start it again
+
+
+def test_second_ctrl_c_stops_at_once(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    # A slow step (a big micro-batch) so the second Ctrl-C lands inside it.
+    process = _start(LONG_RUN + ["train.micro_batch_size=64", "data.seq_len=256",
+                                 f"hydra.run.dir={run_dir}"], tmp_path,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for_step(run_dir, 1, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in out + err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
+
+
+def test_workers_stop_and_save_when_torchrun_is_killed(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    agent = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   start_new_session=True)
+    _wait_for_step(run_dir, 3, agent)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)],
+                                              capture_output=True, text=True).stdout.split()]
+    assert len(workers) == 2
+    agent.kill()  # kill -9: the agent can neither stop nor signal its workers
+    agent.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers), "orphaned workers kept training"
+    # They noticed within seconds, finished their step and saved it together.
+    assert _committed_steps(run_dir) == [max(step_losses(run_dir))]
+    assert max(step_losses(run_dir)) < 400
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
+    """On a terminal (the progress bar on), train.log still gets the plan, the step lines, the
+    evaluation and the closing summary."""
+    run_dir = tmp_path / "run"
+    leader, follower = pty.openpty()
+    process = _start(QUICK + ["data=synthetic", "train.steps=3", "logging.progress=true",
+                              f"hydra.run.dir={run_dir}"], tmp_path,
+                     stdout=follower, stderr=follower)
+    os.close(follower)
+    console = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        console += chunk
+    assert process.wait(timeout=120) == 0
+    log = (run_dir / "train.log").read_text()
+    for text in ("per-block plan:", "step 0 | val_loss", "step 3 | loss", "step 3 | val_loss",
+                 "run summary:", "steps 0 -> 3 of 3", "last checkpoint ",
+                 "python -m trainer.export "):
+        assert text in log, text
+    assert "run summary:" in console.decode(errors="replace")
