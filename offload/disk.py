@@ -19,6 +19,7 @@ without both, resident memory stays at its high-water mark whatever was offloade
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import queue
@@ -289,7 +290,12 @@ class DiskStore:
                 self._drop_source(ticket)
                 self._pending_writes -= 1
                 if error is not None:
+                    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
                     ticket.error = self._error = OffloadError(
+                        f"offload.dir: no space left in {os.path.dirname(self.folder)} while "
+                        "offloading activations; point offload.dir at a larger disk, or "
+                        "offload less (offload.keep_last, offload.min_bytes, a recomputing "
+                        "checkpointing policy)" if full else
                         f"offload.dir: writing {ticket.path} failed: {error}")
                     self._delete(ticket)  # whatever part of it was written
                 elif not skip:

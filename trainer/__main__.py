@@ -36,6 +36,7 @@ def _run(cfg: DictConfig) -> None:
     from trainer.faults import CollectiveFailure, FaultLimit
     from trainer.precheck import as_config_error, setting_of
     from trainer.ownership import RunDirBusy
+    from trainer.save_errors import SAVE_FAILED_EXIT, SaveFailed
     from trainer.state import CheckpointError
 
     from hydra.types import RunMode
@@ -62,6 +63,10 @@ def _run(cfg: DictConfig) -> None:
         if _debug():
             raise
         _fail(f"error: {exc}", 1, every_rank=isinstance(exc, CollectiveFailure))
+    except SaveFailed as exc:  # a full disk: the committed checkpoints are intact
+        if _debug():
+            raise
+        _fail(f"error: save.dir: {exc}", SAVE_FAILED_EXIT)
     if status:
         sys.exit(status)  # preempted after saving: the launcher may run it again
 

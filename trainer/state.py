@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.ckpt_meta import SafeReader, UnsafeMetadata, shape_mismatches
+from trainer.save_errors import looks_full, save_failure
 
 log = logging.getLogger("trainer")
 
@@ -178,19 +179,37 @@ class Checkpointer:
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              state: dict[str, Any]) -> None:
-        """Start saving the state after `step` (every rank). Waits for a previous async save."""
+        """Start saving the state after `step` (every rank). Waits for a previous async save.
+        A failed write (a full disk) removes the torn folder and raises SaveFailed on every
+        rank; the committed checkpoints are untouched."""
         self.wait()
         folder = checkpoint_path(self.root, step)
         if self.rank == 0 and os.path.exists(folder):  # a torn try at this step, or a rollback
             shutil.rmtree(folder)
         self._barrier()
+        try:
+            self._save(step, folder, model, optimizer, state)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            self._pending = None
+            raise self._failed(error, step, folder) from None
+
+    def _save(self, step: int, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+              state: dict[str, Any]) -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
-        os.makedirs(os.path.join(folder, "rng"), exist_ok=True)
-        torch.save(_rng_state(self.device), os.path.join(folder, "rng", f"rank{self.rank}.pt"))
-        if self.rank == 0:
-            with open(os.path.join(folder, STATE), "w") as f:
-                json.dump(state, f, indent=1, sort_keys=True)
+        problem = None
+        try:  # the small files first; every rank must learn if one of them failed
+            os.makedirs(os.path.join(folder, "rng"), exist_ok=True)
+            torch.save(_rng_state(self.device),
+                       os.path.join(folder, "rng", f"rank{self.rank}.pt"))
+            if self.rank == 0:
+                with open(os.path.join(folder, STATE), "w") as f:
+                    json.dump(state, f, indent=1, sort_keys=True)
+        except OSError as error:
+            problem = error
+        problems = [p for p in self._gather_list(problem) if p is not None]
+        if problems:
+            raise problems[0]
         self._files = None
         if self.async_save:
             future = dcp.async_save(tensors, checkpoint_id=folder, process_group=self.group)
@@ -233,7 +252,10 @@ class Checkpointer:
         step, folder, future = self._pending
         self._pending = None
         if future is not None:
-            future.result()  # raises here if this rank's write failed
+            try:
+                future.result()  # raises here if this rank's write failed
+            except (Exception, CheckpointException) as error:
+                raise self._failed(error, step, folder) from None
         files = self._gather(self._files or {})
         if self.rank == 0:
             files.update(_manifest(folder, [".metadata", STATE]))
@@ -336,6 +358,21 @@ class Checkpointer:
         settings = f"; changed since the save: {', '.join(changed)}" if changed else ""
         return (f"checkpoint {folder} holds another model: {mismatches[0]}{more}{settings}; "
                 "set them back to resume, or start over with save.resume=false")
+
+    def _failed(self, error: BaseException, step: int, folder: str) -> Exception:
+        """Remove the torn folder (once every rank is done with it); the one-line error."""
+        full = looks_full(folder)
+        self._barrier()
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        return save_failure(error, step, folder, self.last_committed, full)
+
+    def _gather_list(self, item: Any) -> list[Any]:
+        if self.group is None:
+            return [item]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, item, group=self.group)
+        return gathered
 
     def _gather(self, files: dict[str, list[int]]) -> dict[str, list[int]]:
         if self.group is None:
