@@ -215,3 +215,30 @@ def test_every_checkpoint_damaged_is_refused_not_restarted(tmp_path, saved_run) 
     _one_line(result.stderr, f"error: save.resume: every checkpoint in {run_dir}/checkpoints is "
                              "damaged (step_00000002: ")
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 2]  # nothing appended
+
+
+def test_a_corrupt_image_is_named_or_skipped_and_logged(tmp_path) -> None:
+    from tests.test_vit import CLI, _image_folder
+    from trainer.images import ImageFolder
+
+    _image_folder(tmp_path / "data")
+    bad = tmp_path / "data" / "train" / "blue" / "1.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a picture")
+    folder = ImageFolder(str(tmp_path / "data" / "train"), 32, 3, "data.train_path")
+    with pytest.raises(ValueError, match=f"^data.train_path: {bad} cannot be read as an image"):
+        folder[1]
+    skipping = ImageFolder(str(tmp_path / "data" / "train"), 32, 3, "data.train_path",
+                           skip_bad=True)
+    image, label = skipping[1]  # the next readable image takes its place, the same every time
+    assert label == 0 and image.equal(folder[2][0]) and skipping.skipped == {str(bad)}
+    # Through the trainer: one line naming the file, status 2; with the switch, it trains.
+    data = [*CLI, "data=images", f"data.train_path={tmp_path / 'data/train'}",
+            f"data.val_path={tmp_path / 'data/val'}", "model.num_classes=2", "train.steps=2",
+            "train.micro_batch_size=12", "train.eval_batches=1"]
+    result = run_trainer(data + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert result.returncode == 2
+    _one_line(result.stderr, f"error: data.train_path: {bad} cannot be read as an image")
+    result = run_trainer(data + ["data.skip_bad_images=true", f"hydra.run.dir={tmp_path / 'ok'}"],
+                         cwd=tmp_path)
+    check_ok(result)
+    assert f"data.skip_bad_images: skipping {bad}" in (tmp_path / "ok" / "train.log").read_text()

@@ -65,7 +65,7 @@ def test_config_keys_are_frozen() -> None:
         "model.freeze", "model.image_size", "model.patch_size", "model.channels",
         "model.num_classes",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
-        "data.max_corpus_bytes", "data.workers", "data.augment",
+        "data.max_corpus_bytes", "data.workers", "data.augment", "data.skip_bad_images",
         "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",
         "optim.beta1", "optim.beta2", "optim.eps", "optim.grad_clip",
         "train.steps", "train.seed", "train.micro_batch_size", "train.grad_accum",

@@ -72,6 +72,21 @@ def test_second_ctrl_c_stops_at_once(tmp_path) -> None:
     assert err.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
 
 
+def test_ctrl_c_under_torchrun_saves_every_finished_step(tmp_path) -> None:
+    """A terminal's Ctrl-C reaches the agent and both workers; the agent forwards it again. The
+    workers finish their step and save it together; the echo is not a second Ctrl-C."""
+    run_dir = tmp_path / "run"
+    agent = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    _wait_for_step(run_dir, 3, agent)
+    os.killpg(agent.pid, signal.SIGINT)  # what the terminal does: the whole process group
+    out, err = agent.communicate(timeout=120)
+    last = max(step_losses(run_dir))
+    assert _committed_steps(run_dir) == [last], err[-3000:]
+    assert f"stopping (Ctrl-C): saved step {last}" in out + err
+    assert "interrupted: stopped at once" not in err
+
+
 def test_workers_stop_and_save_when_torchrun_is_killed(tmp_path) -> None:
     run_dir = tmp_path / "run"
     agent = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
@@ -106,7 +121,7 @@ def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
     run_dir = tmp_path / "run"
     leader, follower = pty.openpty()
     process = _start(QUICK + ["data=synthetic", "train.steps=3", "logging.progress=true",
-                              f"hydra.run.dir={run_dir}"], tmp_path,
+                              "logging.wandb=true", f"hydra.run.dir={run_dir}"], tmp_path,
                      stdout=follower, stderr=follower)
     os.close(follower)
     console = b""
@@ -122,6 +137,6 @@ def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
     log = (run_dir / "train.log").read_text()
     for text in ("per-block plan:", "step 0 | val_loss", "step 3 | loss", "step 3 | val_loss",
                  "run summary:", "steps 0 -> 3 of 3", "last checkpoint ",
-                 "python -m trainer.export "):
+                 "python -m trainer.export ", f"upload with: wandb sync {run_dir}/wandb/"):
         assert text in log, text
     assert "run summary:" in console.decode(errors="replace")

@@ -79,6 +79,9 @@ class DataConfig:
     max_corpus_bytes: int = 32 * 1024 * 1024
     # data=images: random-resized crops and mirroring of training images (true in images.yaml)
     augment: bool = False
+    # data=images: an unreadable or corrupt image stops the run naming the file; true skips it
+    # instead (the next readable image of the folder takes its place; each is logged once).
+    skip_bad_images: bool = False
     # Threads reading the next batches while a step computes (each reads one whole batch);
     # 0 reads each batch in the training thread when its step starts.
     workers: int = 2

@@ -30,6 +30,9 @@ class FaultLimit(RuntimeError):
     """The run cannot go on within its fault settings (bad steps, rollbacks); the message names
     the setting and what to change."""
 
+ECHO_WINDOW_S = 2.0  # see PreemptionSignal._handle
+
+
 class PreemptionSignal:
     """Remembers that SIGTERM, Ctrl-C (SIGINT) or `extra` (e.g. "SIGUSR1") arrived, or that the
     torchrun agent that started this worker is gone; the loop finishes the step, saves and exits.
@@ -44,6 +47,8 @@ class PreemptionSignal:
                  watch_launcher: bool = False) -> None:
         self.received: Optional[str] = None
         self.announce = announce
+        self.watching = watch_launcher
+        self._first_sigint = 0.0
         self._previous = {}
         names = ["SIGTERM", "SIGINT"] + ([extra] if extra and extra not in ("SIGTERM", "SIGINT")
                                          else [])
@@ -59,7 +64,13 @@ class PreemptionSignal:
     def _handle(self, number: int, frame: object) -> None:
         name = signal.Signals(number).name
         if name == "SIGINT" and self.received == "SIGINT":
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            # Under torchrun a Ctrl-C reaches a worker twice: from the terminal and, a moment
+            # later, forwarded by the agent. Only a later one is the user's second Ctrl-C.
+            if not (self.watching and time.monotonic() - self._first_sigint < ECHO_WINDOW_S):
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            return
+        if name == "SIGINT":
+            self._first_sigint = time.monotonic()
         if name == "SIGINT" and self.announce:
             print("\nCtrl-C: finishing this step and saving, then exiting (Ctrl-C again to stop "
                   "at once, without saving)", file=sys.stderr, flush=True)

@@ -8,10 +8,13 @@ An item is (image [channels, size, size] float32, label).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+log = logging.getLogger("trainer")
 
 if TYPE_CHECKING:  # torch is imported where images are made: the config checks use this module
     import torch
@@ -52,7 +55,8 @@ class ImageFolder:
     """
 
     def __init__(self, root: str, image_size: int, channels: int, key: str,
-                 classes: list[str] | None = None, augment: bool = False, seed: int = 0) -> None:
+                 classes: list[str] | None = None, augment: bool = False, seed: int = 0,
+                 skip_bad: bool = False) -> None:
         if not os.path.isdir(root):
             raise ValueError(f"{key}: no such folder: {root}")
         found = class_folders(root)
@@ -73,6 +77,8 @@ class ImageFolder:
             raise ValueError(f"{key}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
         self.image_size, self.channels = image_size, channels
         self.augment, self.seed = augment, seed
+        self.key, self.skip_bad = key, skip_bad
+        self.skipped: set[str] = set()  # unreadable files met so far (skip_bad)
         self.num_windows = len(self.files)
 
     def __len__(self) -> int:
@@ -88,6 +94,26 @@ class ImageFolder:
                           else None)
 
     def _load(self, index: int, rng: np.random.Generator | None) -> tuple[torch.Tensor, int]:
+        """The image at `index`; an unreadable one stops the run naming the file, or with
+        skip_bad is replaced by the next readable image (the same on every rank and run)."""
+        for offset in range(len(self.files)):
+            path = self.files[(index + offset) % len(self.files)][0]
+            if path in self.skipped:
+                continue
+            try:
+                return self._decode((index + offset) % len(self.files), rng)
+            except Exception as exc:  # Pillow raises many types for a bad file
+                reason = f"{type(exc).__name__}: {exc}"
+                if not self.skip_bad:
+                    raise ValueError(f"{self.key}: {path} cannot be read as an image ({reason}); "
+                                     "replace or remove it, or set data.skip_bad_images=true to "
+                                     "skip such files") from None
+                self.skipped.add(path)
+                log.warning("data.skip_bad_images: skipping %s (%s); %d skipped so far", path,
+                            reason, len(self.skipped))
+        raise ValueError(f"{self.key}: no image under {self.files[0][0]}'s folder can be read")
+
+    def _decode(self, index: int, rng: np.random.Generator | None) -> tuple[torch.Tensor, int]:
         from PIL import Image
 
         path, label = self.files[index]
@@ -170,8 +196,8 @@ class SyntheticImages:
 
 
 def image_datasets(source: str, image_size: int, channels: int, num_classes: int, seed: int,
-                   train_path: str | None, val_path: str | None,
-                   augment: bool) -> tuple[ImageFolder | SyntheticImages, ...]:
+                   train_path: str | None, val_path: str | None, augment: bool,
+                   skip_bad: bool = False) -> tuple[ImageFolder | SyntheticImages, ...]:
     """(train, val) for data.source in {'images', 'synthetic_images'}."""
     if source == "synthetic_images":
         return (SyntheticImages(num_classes, image_size, channels, SYNTHETIC_TRAIN_IMAGES, seed, 0),
@@ -179,10 +205,11 @@ def image_datasets(source: str, image_size: int, channels: int, num_classes: int
     if source != "images":
         raise ValueError(f"data.source={source} is not an image source")
     train = ImageFolder(train_path, image_size, channels, "data.train_path", augment=augment,
-                        seed=seed)
+                        seed=seed, skip_bad=skip_bad)
     if len(train.classes) != num_classes:
         raise ValueError(f"model.num_classes={num_classes} but {train_path} has "
                          f"{len(train.classes)} class folders; set model.num_classes="
                          f"{len(train.classes)}")
-    val = ImageFolder(val_path, image_size, channels, "data.val_path", classes=train.classes)
+    val = ImageFolder(val_path, image_size, channels, "data.val_path", classes=train.classes,
+                      skip_bad=skip_bad)
     return train, val

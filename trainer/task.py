@@ -68,7 +68,8 @@ def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, s
         from trainer.images import image_datasets
 
         return image_datasets(data.source, model.image_size, model.channels, model.num_classes,
-                              seed, data.train_path, data.val_path, data.augment)
+                              seed, data.train_path, data.val_path, data.augment,
+                              data.skip_bad_images)
     from trainer.data import build_datasets
 
     train, val, _ = build_datasets(data.source, data.seq_len, vocab_size, seed, data.train_path,
