@@ -93,13 +93,16 @@ ROWS = {
     "selective + compile": ["checkpointing=selective", "train.compile=true"],
 }
 SLOW_ROWS = {"selective + compile": 2.0}  # row cap multiplier
+AFTER_BENCH_S = 45  # what torchtitan and predict need of the budget (predict: ~15 s on a GPU host)
 
 
 class Check:
     """Runs stages, keeps every result, writes them after each stage."""
 
-    def __init__(self, mode: Mode, out: str, work: str, env: dict) -> None:
+    def __init__(self, mode: Mode, out: str, work: str, env: dict,
+                 budget_s: float = float("inf")) -> None:
         self.mode, self.out, self.work, self.env = mode, out, work, env
+        self.deadline = time.monotonic() + budget_s  # no stage starts or runs past it
         self.result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                              "mode": "cpu-smoke" if mode.device == "cpu" else "gpu",
                              "stages": {}, "seconds": {}}
@@ -126,9 +129,12 @@ class Check:
 
     def stage(self, name: str, body: Callable[[float], dict]) -> Optional[dict]:
         started = time.monotonic()
+        left = self.deadline - started
         print(f"[gpu_check] {name} ...", flush=True)
         try:
-            outcome = body(float(self.mode.caps[name]))
+            if left < 5:
+                raise TimeoutError("not run: the check's time budget (--budget-s) was spent")
+            outcome = body(min(float(self.mode.caps[name]), left))
         except Exception as exc:  # recorded; the next stage still runs
             outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         seconds = time.monotonic() - started
@@ -273,7 +279,8 @@ def stage_bench(check: Check, cap: float) -> dict:
     fit = check.result["stages"].get("fit", {})
     if not fit.get("micro_batch"):
         return {"ok": False, "error": "no micro-batch from the fit stage"}
-    deadline = time.monotonic() + cap
+    # The stages after it (torchtitan, predict) keep their share of the check's budget.
+    deadline = min(time.monotonic() + cap, check.deadline - AFTER_BENCH_S)
     rows = {}
     for name in ROWS:
         left = deadline - time.monotonic()
@@ -339,6 +346,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--wheels", metavar="DIR", help="install DIR's wheels offline first")
     parser.add_argument("--site", default="/tmp/blocktrain-gpu-site",
                         help="private folder the --wheels are installed into")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the whole check; stages get what is left (default: "
+                             "470 on a GPU, so it ends inside 8 minutes; none for --cpu-smoke)")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help="comma-separated subset of " + ",".join(STAGES))
     args = parser.parse_args(argv)
@@ -362,7 +372,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = wheels.use(args.site, REPO) if args.wheels else wheels.use(REPO, REPO)
     env.setdefault("WANDB_MODE", "disabled")
     mode = CPU_SMOKE if args.cpu_smoke else GPU
-    check = Check(mode, args.out, args.work, env)
+    budget = args.budget_s if args.budget_s is not None else (
+        float("inf") if args.cpu_smoke else 470.0)
+    check = Check(mode, args.out, args.work, env, budget - (time.monotonic() - started))
     check.result["wheels_installed"] = installed
     for name in args.stages.split(","):
         check.stage(name, lambda cap, body=STAGES[name]: body(check, cap))

@@ -106,6 +106,10 @@ def test_a_failing_stage_is_recorded_and_the_next_still_runs(tmp_path) -> None:
     saved = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert saved["stages"]["env"] == {"ok": False, "error": "RuntimeError: kaput"}
     assert saved["stages"]["fit"]["ok"] and status == 124 and "stopped at its cap" in output
+    # With the whole check's budget spent, a stage is recorded as not run, not started.
+    check.deadline = 0.0
+    check.stage("parity", lambda cap: pytest.fail("a stage ran past the check's budget"))
+    assert check.result["stages"]["parity"]["error"].startswith("TimeoutError: not run")
 
 
 def _wheel(folder: Path, name: str) -> Path:
