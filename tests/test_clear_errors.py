@@ -242,3 +242,19 @@ def test_a_corrupt_image_is_named_or_skipped_and_logged(tmp_path) -> None:
                          cwd=tmp_path)
     check_ok(result)
     assert f"data.skip_bad_images: skipping {bad}" in (tmp_path / "ok" / "train.log").read_text()
+
+
+def test_a_file_system_without_locks_warns_instead_of_failing(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    from trainer.ownership import RunLock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = RunLock(str(tmp_path))
+    lock.acquire()  # Lustre without -o flock: the run goes on, and says what it cannot do
+    lock.release()
+    assert "cannot lock the run directory" in caplog.text

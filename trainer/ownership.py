@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
 from typing import Optional
 
+log = logging.getLogger("trainer")
 LOCK_FILE = ".lock"
 # Besides the checkpoints: what a run appends to or reuses (trainer/metrics.py, wandb_log.py,
 # state.py's stop marker).
@@ -47,6 +49,11 @@ class RunLock:
                 f"{holder.get('pid', '?')} on {holder.get('host', '?')} (started "
                 f"{holder.get('started', '?')}); wait for that run, or start this one under "
                 "another train.run_name") from None
+        except OSError as exc:  # a file system without locks (Lustre mounted without flock)
+            os.close(fd)
+            log.warning("cannot lock the run directory %s (%s): a second run started on it "
+                        "would not be refused", os.path.dirname(self.path), exc)
+            return
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
