@@ -38,7 +38,8 @@ _ALLOWED = {
 
 
 class UnsafeMetadata(Exception):
-    """The metadata names something DCP's metadata is never made of."""
+    """The metadata names something DCP's metadata is never made of; the message says which
+    file and what."""
 
 
 class _Unpickler(pickle.Unpickler):
@@ -54,9 +55,13 @@ def read_metadata(path: str) -> Metadata:
     """Unpickle a `.metadata` file admitting only DCP's metadata types; raises UnsafeMetadata."""
     with open(path, "rb") as f:
         data = f.read()
-    metadata = _Unpickler(io.BytesIO(data)).load()
+    try:
+        metadata = _Unpickler(io.BytesIO(data)).load()
+    except UnsafeMetadata as exc:
+        raise UnsafeMetadata(f"{path} names {exc}, which a checkpoint's metadata never holds; "
+                             "refusing to read it (it would run code)") from None
     if not isinstance(metadata, Metadata):
-        raise UnsafeMetadata(type(metadata).__name__)
+        raise UnsafeMetadata(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
 
 

@@ -43,9 +43,7 @@ def load_model_state(folder: str) -> dict[str, torch.Tensor]:
     try:
         metadata = reader.read_metadata()
     except UnsafeMetadata as error:
-        raise SystemExit(f"error: {os.path.join(folder, '.metadata')} names {error}, which a "
-                         "checkpoint's metadata never holds; refusing to read it (it would run "
-                         "code)") from None
+        raise SystemExit(f"error: {error}") from None
     model = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):

@@ -318,9 +318,7 @@ class Checkpointer:
         try:
             metadata = reader.read_metadata()
         except UnsafeMetadata as error:
-            raise CheckpointError(f"{os.path.join(folder, '.metadata')} names {error}, which a "
-                                  "checkpoint's metadata never holds; refusing to read it (it "
-                                  "would run code). Use a checkpoint from a trusted source") from None
+            raise CheckpointError(f"{error}. Use a checkpoint from a trusted source") from None
         mismatches = shape_mismatches(metadata, model_state)
         if mismatches:
             raise CheckpointError(self._another_model(folder, mismatches))
