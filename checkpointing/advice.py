@@ -51,8 +51,13 @@ def suggest(evaluator: Evaluator, base: Scenario, capacity: int) -> list[Suggest
     add_more_ranks(evaluator, base, capacity, add)
     s = base.cfg.sharding
     if s.mode != "none" and s.param_dtype != "bfloat16":
-        add("sharding.param_dtype=bfloat16", _try(evaluator, lambda: with_changes(
-            base, sharding={"param_dtype": "bfloat16"})))
+        add("sharding.param_dtype=bfloat16 sharding.reduce_dtype=float32",
+            _try(evaluator, lambda: with_changes(
+                base, sharding={"param_dtype": "bfloat16", "reduce_dtype": "float32"})))
+    if s.mode != "none" and not s.cpu_offload:
+        # Parameters, gradients and optimizer state in host memory; the optimizer steps there.
+        add("sharding.cpu_offload=true", _try(evaluator, lambda: with_changes(
+            base, sharding={"cpu_offload": True})))
     return found
 
 

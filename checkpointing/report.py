@@ -155,10 +155,12 @@ def table(outcome, tflops: float) -> str:
         f"   ({(0 if est.host else est.grads) / GIB:.2f} after backward)",
         f"  {'optimizer (AdamW exp_avg, exp_avg_sq)':<39} {peak.optimizer / GIB:>9.2f} GiB",
         f"  {'unsharded params/grads, temporaries':<39} {peak.unsharded / GIB:>9.2f} GiB",
-        f"  {'activations (at the peak)':<39} {peak.activations / GIB:>9.2f} GiB"
-        f"   (peak {est.activation_peak / GIB:.2f}, end of forward {est.end_of_forward / GIB:.2f},"
-        f" no checkpointing {est.no_checkpoint / GIB:.2f})",
-        f"  {'predicted peak':<39} {peak.total / GIB:>9.2f} GiB   (during {peak.name})",
+        f"  {'activations (then)':<39} {peak.activations / GIB:>9.2f} GiB"
+        f"   (their own peak {est.activation_peak / GIB:.2f} GiB, in the forward/backward; end "
+        f"of forward {est.end_of_forward / GIB:.2f}; no checkpointing "
+        f"{est.no_checkpoint / GIB:.2f})",
+        f"  {'predicted peak':<39} {peak.total / GIB:>9.2f} GiB   (during {peak.name}: the "
+        "lines above are that moment's)",
         f"recompute: {est.recompute_flops / 1e12:.1f} TFLOP per step = "
         f"{est.recompute_flops * outcome.seconds_per_flop:.3f} s at a nominal {tflops:g} TFLOP/s "
         "per GPU (--tflops)",
@@ -253,5 +255,5 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                             for s in advice]}
     with open(os.path.join(out, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
-    plot_plan(outcome, os.path.join(out, "memory_plan.png"))
+    plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
     print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")

@@ -283,6 +283,12 @@ def test_not_fit_advice_is_predicted_to_fit_when_applied(tmp_path) -> None:
     data = json.loads((tmp_path / "a" / "memory_plan.json").read_text())
     fitting = [s for s in data["suggestions"] if s["fits"]]
     assert data["fits"] is False and fitting
+    # Half-precision parameters and parameters in host memory are among what is tried.
+    changes = {s["change"] for s in data["suggestions"]}
+    assert {"sharding.param_dtype=bfloat16 sharding.reduce_dtype=float32",
+            "sharding.cpu_offload=true"} <= changes
+    offloaded = next(s for s in data["suggestions"] if s["change"] == "sharding.cpu_offload=true")
+    assert offloaded["host_bytes"] > 0 and offloaded["peak_phase"]["optimizer"] == 0
     assert all(s["change"] in result.stdout for s in fitting)
     change = fitting[0]
     result, _ = _plan_cli([*_apply(base, change["change"]), "--out", str(tmp_path / "b")],
@@ -311,6 +317,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, start) -> None:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(start), result.stderr
     assert result.stdout == ""
+
+
+def test_the_picture_shows_static_memory_the_capacity_and_the_peak(tmp_path) -> None:
+    from checkpointing.plot import plot_plan
+    from checkpointing.scenario import Evaluator, Scenario
+
+    cfg, layout = check([*TINY, "checkpointing=budget"], {"WORLD_SIZE": "1"})
+    outcome = Evaluator(400.0).evaluate(Scenario(cfg, layout, 1))
+    peak = outcome.estimate.peak
+    static = (peak.params + peak.grads + peak.optimizer + peak.unsharded) / 2**30
+    labels = plot_plan(outcome, str(tmp_path / "a.png"), capacity=3 * 2**30)
+    assert f"parameters, gradients, optimizer, unsharded: {static:.2f} GiB" in labels
+    assert "device memory 3.00 GiB" in labels
+    assert f"predicted peak {peak.total / 2**30:.2f} GiB ({peak.name})" in labels
+    assert any(label.startswith("activation budget ") for label in labels)
+    without = plot_plan(outcome, str(tmp_path / "b.png"))
+    assert not any("device memory" in label for label in without)
 
 
 def test_plan_module_still_imports_without_torch() -> None:
