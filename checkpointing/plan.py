@@ -29,6 +29,16 @@ class BlockPlan:
 
 POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
 
+# Ops whose outputs selective checkpointing keeps by default (aten names, resolved to ops in
+# checkpointing/wrap.py): matmuls and attention, the work that is expensive to redo. Everything
+# else (norms, activations, rotary, dropout) is recomputed. Here, without torch, so the config
+# schema (trainer/config.py) can use the same list.
+DEFAULT_SAVE_OPS = (
+    "mm", "addmm", "bmm", "baddbmm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+)
+
 
 def sqrt_interval(num_blocks: int) -> int:
     return max(1, math.ceil(math.sqrt(num_blocks)))
@@ -120,8 +130,3 @@ def describe(plan: Sequence[BlockPlan]) -> str:
     return (f"{len(plan)} blocks: recompute {counts('recompute')}; offload {counts('offload')}; "
             f"sharded {sharded}/{len(plan)}")
 
-
-if __name__ == "__main__":
-    from checkpointing.report import main
-
-    main()

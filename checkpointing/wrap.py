@@ -18,13 +18,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from checkpointing.plan import BlockPlan
+from checkpointing.plan import DEFAULT_SAVE_OPS, BlockPlan  # noqa: F401 (re-exported)
 from checkpointing.saved import SavedBytesMeter
-
-# Ops whose outputs selective checkpointing keeps by default: matmuls and attention, the work
-# that is expensive to redo. Everything else (norms, activations, rotary, dropout) is recomputed.
-# The list lives in trainer/config.py, which must stay importable without torch.
-from trainer.config import DEFAULT_SAVE_OPS  # noqa: E402
 
 
 def resolve_ops(names: Sequence[str]) -> list:

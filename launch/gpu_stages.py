@@ -78,7 +78,7 @@ def parity_overrides(device: str, seq_len: int) -> list[str]:
 def parity_stage(device: str, work: str, seq_len: int) -> dict:
     """Every recompute policy x offload none/cpu against `none`, 4 steps; `none` twice first to
     learn whether this device's kernels repeat bit for bit."""
-    from launch.env import shutdown
+    from trainer.distenv import shutdown
 
     base = parity_overrides(device, seq_len)
     runs: dict[str, list[dict]] = {}
@@ -121,15 +121,15 @@ def _max_rel(values: Sequence[float], reference: Sequence[float]) -> float:
 
 
 def _evaluator(device: str):
-    from checkpointing.report import DEFAULT_TFLOPS
-    from checkpointing.scenario import Evaluator
+    from trainer.report import DEFAULT_TFLOPS
+    from trainer.scenario import Evaluator
 
     # As the report: on a GPU AdamW takes its foreach path (one group-sized temporary).
     return Evaluator(DEFAULT_TFLOPS, optimizer_foreach=device != "cpu")
 
 
 def _scenario(overrides: Sequence[str]):
-    from checkpointing.scenario import Scenario
+    from trainer.scenario import Scenario
     from trainer.cli import check
 
     cfg, layout = check(list(overrides), {"WORLD_SIZE": "1"}, local_gpus=False)
@@ -192,7 +192,7 @@ def predict_stage(device: str, rows: Sequence[dict]) -> dict:
     choice on the device can differ from the one the report derives from FLOPs."""
     from checkpointing.memory import estimate
     from checkpointing.plan import BlockPlan
-    from checkpointing.scenario import setup_of
+    from trainer.scenario import setup_of
 
     evaluator = _evaluator(device)
     out = {}

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.plan import recompute_pattern
 from checkpointing.saved import SavedBytesMeter
-from launch.env import init_distributed, read_env, shutdown
+from trainer.distenv import init_distributed, read_env, shutdown
 from tests.checkpoint_harness import POLICIES, SMALL, batch
 from tests.dist import spawn
 from tests.helpers import config

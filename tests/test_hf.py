@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from checkpointing.saved import SavedBytesMeter  # noqa: E402
-from launch.env import init_distributed, read_env, shutdown  # noqa: E402
+from trainer.distenv import init_distributed, read_env, shutdown  # noqa: E402
 from tests.checkpoint_harness import assert_policies_bitwise, batch, train_steps  # noqa: E402
 from tests.dist import spawn  # noqa: E402
 from tests.helpers import config  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpointing.saved import SavedBytesMeter
-from launch.env import init_distributed, read_env, shutdown
+from trainer.distenv import init_distributed, read_env, shutdown
 from tests.checkpoint_harness import POLICIES, SMALL, train_steps
 from tests.dist import spawn
 from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer

@@ -17,7 +17,7 @@ from trainer.config import ConfigError
 # Settings that name files on the user's machine (README's /data/pets, data/mine/...): their
 # absence here is no mistake in the command.
 PATH_KEYS = ("data.train_path", "data.val_path", "model.path", "save.dir", "offload.dir")
-TOOLS = {"-m trainer": "trainer", "-m launch.slurm": "slurm", "-m checkpointing.plan": "report"}
+TOOLS = {"-m trainer": "trainer", "-m launch.slurm": "slurm", "-m trainer.report": "report"}
 
 
 def readme_commands() -> list[tuple[int, str, str | None]]:
@@ -49,7 +49,7 @@ def parse(command: str) -> tuple[str, list[list[str]], dict[str, str]]:
     text = " ".join(words)
     tool = next(name for flag, name in TOOLS.items() if flag + " " in text + " ")
     module = words.index(next(w for w in words if w in ("trainer", "launch.slurm",
-                                                        "checkpointing.plan")))
+                                                        "trainer.report")))
     before, after = words[:module], words[module + 1:]
 
     def flag(names: tuple[str, ...], default: int) -> int:

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from checkpointing.memory import estimate, sharded_numel
 from checkpointing.metatrace import FusedAttentionOnMeta, profile_on_meta
 from checkpointing.profile import OPTIONS, profile_blocks, trace_on_meta
-from checkpointing.report import collapse
+from trainer.report import collapse
 from checkpointing.saved import SavedBytesMeter
-from checkpointing.scenario import Evaluator, Scenario, setup_of
+from trainer.scenario import Evaluator, Scenario, setup_of
 from checkpointing.wrap import resolve_ops
-from launch.env import init_distributed, read_env, shutdown
+from trainer.distenv import init_distributed, read_env, shutdown
 from tests.dist import spawn
 from tests.helpers import REPO, config, subprocess_env
 from tests.live_bytes import LiveTensorBytes, tensors_of
@@ -231,7 +231,7 @@ def test_predicted_peak_matches_two_ranks_with_prefetch() -> None:
 
 def _plan_cli(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "checkpointing.plan", *args], cwd=cwd,
+    result = subprocess.run([sys.executable, "-m", "trainer.report", *args], cwd=cwd,
                             env=subprocess_env(), capture_output=True, text=True, timeout=300)
     return result, time.perf_counter() - started
 
@@ -320,8 +320,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, start) -> None:
 
 
 def test_the_picture_shows_static_memory_the_capacity_and_the_peak(tmp_path) -> None:
-    from checkpointing.plot import plot_plan
-    from checkpointing.scenario import Evaluator, Scenario
+    from trainer.plot import plot_plan
+    from trainer.scenario import Evaluator, Scenario
 
     cfg, layout = check([*TINY, "checkpointing=budget"], {"WORLD_SIZE": "1"})
     outcome = Evaluator(400.0).evaluate(Scenario(cfg, layout, 1))
@@ -337,6 +337,6 @@ def test_the_picture_shows_static_memory_the_capacity_and_the_peak(tmp_path) -> 
 
 
 def test_plan_module_still_imports_without_torch() -> None:
-    """checkpointing.plan stays a plain module; only running it as __main__ starts the report."""
+    """checkpointing.plan stays a plain module (the config schema imports it)."""
     code = "import sys, checkpointing.plan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), check=True)

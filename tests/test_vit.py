@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpointing.saved import SavedBytesMeter
-from launch.env import init_distributed, read_env, shutdown
+from trainer.distenv import init_distributed, read_env, shutdown
 from tests.checkpoint_harness import assert_policies_bitwise, train_steps
 from tests.dist import spawn
 from tests.helpers import config
@@ -74,7 +74,7 @@ HIGH_RES = ["model=vit_tiny", "model.image_size=1024", "model.dim=64", "model.n_
 
 def test_full_checkpointing_at_1024px_keeps_only_block_inputs_with_identical_gradients(
         world_of_one) -> None:
-    from checkpointing.scenario import Evaluator, Scenario
+    from trainer.scenario import Evaluator, Scenario
     from trainer.cli import check
 
     runs = {p: _run(HIGH_RES + [f"checkpointing={p}"], steps=1, rank=0) for p in ("none", "full")}

@@ -110,7 +110,7 @@ def main() -> None:
                   "far are kept", file=sys.stderr, flush=True)
         sys.exit(130)
     if "torch.distributed" in sys.modules:  # a sweep kept its process group for all its jobs
-        from launch.env import shutdown
+        from trainer.distenv import shutdown
 
         shutdown()
 

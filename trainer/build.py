@@ -24,7 +24,7 @@ from checkpointing.policies import Budget, OffloadCost, choose_plan, resolve_bud
 from checkpointing.profile import BlockProfile, profile_blocks, trace_on_meta
 from checkpointing.saved import SavedBytesMeter
 from checkpointing.wrap import apply_checkpointing, resolve_ops
-from launch.env import DistEnv
+from trainer.distenv import DistEnv
 from offload.apply import apply_offload, build_offloader, offload_dir
 from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader

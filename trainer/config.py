@@ -15,13 +15,9 @@ from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-
-# Kept in sync with checkpointing/wrap.py (which needs torch); a test checks they agree.
-DEFAULT_SAVE_OPS = (
-    "mm", "addmm", "bmm", "baddbmm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-)
+# Selective checkpointing's default ops live beside the plan (checkpointing/plan.py, no torch),
+# so the config schema and the wrapper share one list without an upward import.
+from checkpointing.plan import DEFAULT_SAVE_OPS
 
 
 class ConfigError(ValueError):

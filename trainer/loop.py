@@ -23,7 +23,7 @@ from checkpointing.policies import added_seconds
 from checkpointing.saved import SavedBytesMeter
 from offload.apply import close_offloader, offload_micro_batch
 from offload.engine import Offloader
-from launch.env import DistEnv, init_distributed, read_env, shutdown
+from trainer.distenv import DistEnv, init_distributed, read_env, shutdown
 from sharding.fsdp import reshard_all, set_grad_sync
 from trainer.build import Built, build_model
 from trainer.config import Config

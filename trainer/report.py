@@ -1,4 +1,4 @@
-"""`python -m checkpointing.plan [--world-size N] [--nodes M] [--gpu-memory-gib G] <overrides>`.
+"""`python -m trainer.report [--world-size N] [--nodes M] [--gpu-memory-gib G] <overrides>`.
 
 The pre-flight "will it fit" report: the trainer's plan for this config, every block's saved
 bytes and recompute FLOPs, the per-rank memory of a step (see checkpointing/memory.py) and a
@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m checkpointing.plan", description=__doc__)
+    parser = _Parser(prog="python -m trainer.report", description=__doc__)
     parser.add_argument("--world-size", type=int, default=1, help="ranks (GPUs) in the job")
     parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
@@ -224,10 +224,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as exc:
         report(exc, {})
         sys.exit(2)
-    from checkpointing.advice import suggest
-    from checkpointing.plot import plot_plan
+    from trainer.advice import suggest
+    from trainer.plot import plot_plan
     from checkpointing.policies import BudgetError
-    from checkpointing.scenario import Evaluator, Scenario
+    from trainer.scenario import Evaluator, Scenario
 
     # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary).
     evaluator = Evaluator(args.tflops, optimizer_foreach=cfg.train.device != "cpu")
@@ -257,3 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
     print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
+
+
+if __name__ == "__main__":
+    main()
