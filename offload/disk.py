@@ -85,8 +85,12 @@ class DiskStore:
         self.removed_stale = cleanup_stale(dir)
         self.folder = os.path.join(dir, f"{FOLDER_PREFIX}{host_tag()}-{os.getpid()}-"
                                         f"{secrets.token_hex(4)}")
-        os.makedirs(self.folder)
-        self._held = hold(self.folder)  # until close, or until this process ends in any way
+        # Made and locked under a name the cleaners of other ranks sharing `dir` skip, then
+        # renamed (the lock stays with the folder): no one ever sees it unlocked.
+        staging = os.path.join(dir, "." + os.path.basename(self.folder))
+        os.makedirs(staging)
+        self._held = hold(staging)  # until close, or until this process ends in any way
+        os.rename(staging, self.folder)
         self._cond = threading.Condition()
         self._live: dict[int, _DiskTicket] = {}  # by id(ticket): not yet released
         self._next_file = 0
