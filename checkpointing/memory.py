@@ -32,12 +32,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from checkpointing.metatrace import MetaProfile
+from checkpointing.metatrace import BlockMeasure, MetaProfile
 from checkpointing.plan import BlockPlan
 from checkpointing.planner import BlockOptions, Option, activation_peak
 from checkpointing.profile import OPTIONS
@@ -97,6 +97,9 @@ class Setup:
     # sharding.cpu_offload: sharded parameters, gradients, optimizer state (and so the optimizer
     # step) live in host memory; the device holds the unsharded transients and activations.
     cpu_offload: bool = False
+    # Activation offload that moves data (disk; cpu on a GPU): saved storages of at least this
+    # many bytes leave the device between forward and backward. None: nothing moves.
+    offload_min_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -133,34 +136,25 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def _chain(profile: MetaProfile, plan: Sequence[BlockPlan]) -> tuple[list[BlockOptions], list[int]]:
-    """The activation chain: embedding stage, blocks (K of the chosen option), head."""
-    before = profile.before_blocks_bytes
-    head = profile.head
-    chain = [BlockOptions("(embedding stage)", (Option("kept", before, 0.0),), before)]
-    choice = [0]
-    for name, measure, step in zip(profile.block_names, profile.blocks, plan, strict=True):
-        options = tuple(Option(o, measure.saved_bytes[o], 0.0) for o in OPTIONS)
-        chain.append(BlockOptions(name, options, measure.peak_bytes[step.recompute]))
-        choice.append(OPTIONS.index(step.recompute))
-    chain.append(BlockOptions("(head)", (Option("kept", head.saved_bytes, 0.0),),
-                              head.saved_bytes + head.extra_bytes))
-    choice.append(0)
-    return chain, choice
+@dataclass(frozen=True)
+class Fixed:
+    """What every phase holds besides activations: the plan does not change it (activations 0).
+
+    `blocks[i]` is block i's (computing, reducing) pair; the activations of a phase are then a
+    term of the chain (see `estimate`), so `Fixed` plus a plan's chain is the whole prediction."""
+
+    blocks: tuple[tuple[Phase, Phase], ...]
+    head: Phase
+    embedding: Phase  # embedding backward, root reduce-scatter
+    optimizer: Phase
+    host: int
+    params: int  # per rank, wherever they live (sharding.cpu_offload: in host memory)
+    grads: int
+    optimizer_state: int
 
 
-def _chain_terms(chain: Sequence[BlockOptions], choice: Sequence[int]) -> list[int]:
-    """S_<i + K_i for each element: the activation bytes while element i runs."""
-    held, terms = 0, []
-    for element, index in zip(chain, choice):
-        terms.append(held + element.peak_bytes)
-        held += element.options[index].saved_bytes
-    return terms
-
-
-def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[BlockPlan],
-             setup: Setup) -> Estimate:
-    """Per-rank bytes of every phase of a step under `plan`, and the largest phase."""
+def fixed_phases(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Setup) -> Fixed:
+    """Per-rank bytes of every phase of a step except its activations."""
     orig, compute, reduce = (_itemsize(setup.orig_dtype), _itemsize(setup.param_dtype),
                              _itemsize(setup.reduce_dtype))
     sharded = setup.mode != "none"
@@ -173,19 +167,15 @@ def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[
     unsharded = [c[1] * compute for c in counts] if sharded else [0] * len(counts)
     reduce_in = [c[1] * reduce for c in counts] if sharded else [0] * len(counts)
     exact = [c[2] for c in counts]
-    root, blocks = 0, range(1, len(groups))
+    root, n = 0, len(groups) - 1
     head_names = set(profile.head.grad_param_names)
     # Unsharded root gradients the head makes at the start of backward (FSDP: held until the
     # root's reduce-scatter at the end of backward; no FSDP: they are the gradients themselves).
-    head_grads = sum(math.prod(s or (1,)) * compute for s, n in
-                     zip(groups[root].shapes, groups[root].param_names) if n in head_names)
+    head_grads = sum(math.prod(s or (1,)) * compute for s, n_ in
+                     zip(groups[root].shapes, groups[root].param_names) if n_ in head_names)
     all_root_grads = counts[root][2] * compute
     multi = shard > 1  # a prefetched all-gather buffer exists only with more than one shard
     accumulating = setup.grad_accum > 1
-
-    chain, choice = _chain(profile, plan)
-    terms = _chain_terms(chain, choice)
-    phases: list[Phase] = []
 
     def present_grads(after_block: int) -> int:
         """Sharded gradients alive while block `after_block` (group index) runs backward."""
@@ -196,8 +186,8 @@ def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[
             reduced += head_grads
         return reduced + ddp_buckets
 
-    n = len(groups) - 1
-    for i in blocks:
+    blocks = []
+    for i in range(1, n + 1):
         if setup.reshard_after_forward:
             block_params = unsharded[i] * (2 if multi else 1)
         else:  # every block up to this one is still unsharded from the forward
@@ -208,45 +198,122 @@ def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[
         # and activations are freed and its reduce-scatter input joins its unsharded gradients.
         computing = Phase(f"{groups[i].name} forward/backward", params, present_grads(i),
                           optimizer, root_part + block_params
-                          + (reduce_in[i + 1] if i < n else 0), terms[i])
+                          + (reduce_in[i + 1] if i < n else 0), 0)
         own_grads = exact[i] * compute if sharded else 0
         reducing = Phase(f"{groups[i].name} reduce-scatter", params, present_grads(i),
                          optimizer, root_part + block_params - unsharded[i] + reduce_in[i]
-                         + own_grads, terms[i] - chain[i].peak_bytes)
-        phases.append(max(computing, reducing, key=lambda p: p.total))
+                         + own_grads, 0)
+        blocks.append((computing, reducing))
     last_block = unsharded[n] if n else 0
     head_params = (sum(unsharded[1:]) if not setup.reshard_after_forward
                    else (last_block if multi else 0))
-    phases.append(Phase("the head (output layer, loss) forward/backward", params,
-                        grads_all if accumulating else ddp_buckets, optimizer,
-                        unsharded[root] + head_params, terms[-1]))
+    head = Phase("the head (output layer, loss) forward/backward", params,
+                 grads_all if accumulating else ddp_buckets, optimizer,
+                 unsharded[root] + head_params, 0)
     # FSDP: all root gradients, then (root parameters resharded) its reduce-scatter input.
     tail_grads = all_root_grads + max(unsharded[root], reduce_in[root]) if sharded else 0
-    phases.append(Phase("embedding backward, root reduce-scatter", params,
-                        grads_all if accumulating or not sharded else sum(local[1:]),
-                        optimizer, tail_grads, terms[0]))
-    phases.append(Phase("the optimizer step", params, grads_all, optimizer,
-                        _optimizer_temporaries(groups, shard, orig, setup.optimizer_foreach), 0))
-
+    embedding = Phase("embedding backward, root reduce-scatter", params,
+                      grads_all if accumulating or not sharded else sum(local[1:]),
+                      optimizer, tail_grads, 0)
+    step = Phase("the optimizer step", params, grads_all, optimizer,
+                 _optimizer_temporaries(groups, shard, orig, setup.optimizer_foreach), 0)
     host = 0
     if setup.cpu_offload:  # the host copy of a block's shard moved in for its all-gather: small
         host = params + grads_all + optimizer
-        phases = [dataclasses.replace(p, params=0, grads=0, optimizer=0,
-                                      unsharded=0 if p is phases[-1] else p.unsharded)
-                  for p in phases]
-    peak_activations = activation_peak(chain, choice)
-    # The phases above take their activations from the same chain; the planner's formula is
-    # their maximum (the head's term covers S_total, its K being at least its saved bytes).
+
+        def on_device(p: Phase, keep_transients: bool = True) -> Phase:
+            return dataclasses.replace(p, params=0, grads=0, optimizer=0,
+                                       unsharded=p.unsharded if keep_transients else 0)
+        blocks = [(on_device(c), on_device(r)) for c, r in blocks]
+        head, embedding, step = on_device(head), on_device(embedding), on_device(step, False)
+    return Fixed(tuple(blocks), head, embedding, step, host, params, grads_all, optimizer)
+
+
+def moved_bytes(measure: BlockMeasure, plan: BlockPlan, min_bytes: int) -> int:
+    if plan.offload == "none":
+        return 0
+    return measure.saved_bytes[plan.recompute] - measure.small_bytes(plan.recompute, min_bytes)
+
+
+def _plan_chain(profile: MetaProfile, plan: Sequence[BlockPlan],
+                setup: Setup) -> tuple[list[int], list[int]]:
+    """(saved, K) of each chain element under `plan`: embedding stage, blocks, head."""
+    before, head = profile.before_blocks_bytes, profile.head
+    saved, peaks = [before], [before]
+    previous_moved = 0  # what the block before this one moves (it is fetched during this one)
+    for measure, step in zip(profile.blocks, plan, strict=True):
+        moves = setup.offload_min_bytes is not None and step.offload != "none"
+        kept = (measure.small_bytes(step.recompute, setup.offload_min_bytes) if moves
+                else measure.saved_bytes[step.recompute])
+        saved.append(kept)
+        peaks.append(measure.peak_bytes[step.recompute] + previous_moved)
+        previous_moved = (moved_bytes(measure, step, setup.offload_min_bytes) if moves else 0)
+    saved.append(head.saved_bytes)
+    peaks.append(head.saved_bytes + head.extra_bytes)
+    return saved, peaks
+
+
+def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[BlockPlan],
+             setup: Setup) -> Estimate:
+    """Per-rank bytes of every phase of a step under `plan`, and the largest phase.
+
+    Activations follow the chain formula (checkpointing/planner.py): while element i (embedding
+    stage, block, head) runs, S_<i + K_i; a block's reduce-scatter holds S_<i."""
+    fixed = fixed_phases(groups, profile, setup)
+    saved, peaks = _plan_chain(profile, plan, setup)
+    held, terms = 0, []
+    for kept, k in zip(saved, peaks):
+        terms.append(held + k)
+        held += kept
+    phases: list[Phase] = []
+    for i, (computing, reducing) in enumerate(fixed.blocks, start=1):
+        phases.append(max(dataclasses.replace(computing, activations=terms[i]),
+                          dataclasses.replace(reducing, activations=terms[i] - peaks[i]),
+                          key=lambda p: p.total))
+    phases.append(dataclasses.replace(fixed.head, activations=terms[-1]))
+    phases.append(dataclasses.replace(fixed.embedding, activations=terms[0]))
+    phases.append(fixed.optimizer)
+    chain = [BlockOptions(f"e{i}", (Option("kept", kept, 0.0),), k)
+             for i, (kept, k) in enumerate(zip(saved, peaks))]
+    peak_activations = activation_peak(chain, [0] * len(chain))
+    # The phases take their activations from the same chain; the planner's formula is their
+    # maximum (the head's term covers S_total, its K being at least its saved bytes).
     assert peak_activations == max(terms), (peak_activations, max(terms))
-    saved = tuple(m.saved_bytes[p.recompute] for m, p in zip(profile.blocks, plan))
+    block_saved = tuple(saved[1:-1])
     flops = tuple(m.recompute_flops[p.recompute] for m, p in zip(profile.blocks, plan))
     return Estimate(
-        params=params, grads=grads_all, optimizer=optimizer, activation_peak=peak_activations,
-        end_of_forward=profile.rest_bytes + sum(saved),
+        params=fixed.params, grads=fixed.grads, optimizer=fixed.optimizer_state,
+        activation_peak=peak_activations,
+        end_of_forward=profile.rest_bytes + sum(block_saved),
         no_checkpoint=profile.rest_bytes + sum(m.saved_bytes["none"] for m in profile.blocks),
-        recompute_flops=sum(flops) * setup.grad_accum, host=host,
+        recompute_flops=sum(flops) * setup.grad_accum, host=fixed.host,
         peak=max(phases, key=lambda p: p.total),
-        phases=tuple(phases), block_saved=saved, block_flops=flops)
+        phases=tuple(phases), block_saved=block_saved, block_flops=flops)
+
+
+def capacity_chain(fixed: Fixed, profile: MetaProfile,
+                   blocks: Sequence[BlockOptions]) -> tuple[list[BlockOptions], int]:
+    """The planner's chain for fitting a whole step into a capacity, and the least capacity no
+    plan can go below (the optimizer step, which holds no activations).
+
+    Phase totals are fixed part + activation term, and the planner knows one budget for all terms,
+    so each element's K absorbs its fixed part: block i must satisfy C_i + S_<i + K_i <= X while
+    computing and R_i + S_<i <= X while reducing, i.e. S_<i + max(C_i + K_i, R_i) <= X. With those
+    K the planner's peak is the predicted step peak (the optimizer step aside), so
+    `plan_budget(chain, X)` is the cheapest plan whose whole step fits X. `blocks`: each block's
+    options with their own activation K (checkpointing/policies.block_options).
+    """
+    before, head = profile.before_blocks_bytes, profile.head
+    chain = [BlockOptions("(embedding stage)", (Option("kept", before, 0.0),),
+                          fixed.embedding.total + before)]
+    for block, (computing, reducing) in zip(blocks, fixed.blocks, strict=True):
+        chain.append(BlockOptions(block.name, tuple(
+            dataclasses.replace(o, peak_bytes=max(computing.total + block.peak_of(j),
+                                                  reducing.total))
+            for j, o in enumerate(block.options)), 0))
+    chain.append(BlockOptions("(head)", (Option("kept", head.saved_bytes, 0.0),),
+                              fixed.head.total + head.saved_bytes + head.extra_bytes))
+    return chain, fixed.optimizer.total
 
 
 def _optimizer_temporaries(groups: Sequence[ParamGroup], shard: int, orig: int,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -47,18 +47,24 @@ class FusedAttentionOnMeta(TorchFunctionMode):
 
     Calls with an explicit mask keep the original path: the flash kernel takes no mask, and a
     masked call on a GPU runs the efficient kernel, which saves the mask as well.
+    like_cpu: predict a CPU run instead, where attention with dropout takes the math path (T x T
+    probabilities and the dropout mask kept); without dropout the CPU runs a flash kernel too.
     """
+
+    def __init__(self, like_cpu: bool = False) -> None:
+        super().__init__()
+        self.like_cpu = like_cpu
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            fused = _fused_attention(*args, **kwargs)
+            fused = _fused_attention(*args, like_cpu=self.like_cpu, **kwargs)
             if fused is not None:
                 return fused
         return func(*args, **kwargs)
 
 
-def fused_forward(forward: Callable) -> Callable:
+def fused_forward(forward: Callable, like_cpu: bool = False) -> Callable:
     """`forward` under FusedAttentionOnMeta wherever it runs, recompute in backward included.
 
     A mode entered around `backward()` would not do: the mode is off while it handles the
@@ -66,7 +72,7 @@ def fused_forward(forward: Callable) -> Callable:
     """
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with FusedAttentionOnMeta():
+        with FusedAttentionOnMeta(like_cpu):
             return forward(*args, **kwargs)
     return run
 
@@ -74,9 +80,11 @@ def fused_forward(forward: Callable) -> Callable:
 def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                      is_causal: bool = False, scale: Optional[float] = None,
-                     enable_gqa: bool = False) -> Optional[torch.Tensor]:
+                     enable_gqa: bool = False, like_cpu: bool = False) -> Optional[torch.Tensor]:
     if query.device.type != "meta" or attn_mask is not None:
         return None
+    if like_cpu and dropout_p > 0:
+        return None  # the CPU's math path, which meta takes as well
     if key.shape[-3] != query.shape[-3] and not enable_gqa:
         return None  # let the original report the shape mismatch
     output, _ = _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
@@ -146,6 +154,11 @@ class BlockMeasure:
     #                             its saved bytes and unsharded weight gradients included
     forward_flops: int
     recompute_flops: dict[str, int]  # FLOPs each option runs again in backward
+    storage_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per option
+
+    def small_bytes(self, option: str, min_bytes: int) -> int:
+        """What stays on the device when `option`'s saved storages are offloaded."""
+        return sum(n for n in self.storage_sizes.get(option, ()) if n < min_bytes)
 
 
 @dataclass(frozen=True)
@@ -196,14 +209,14 @@ def _distinct_bytes(tree: Any) -> int:
 
 
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequence,
-                  save_op_names: Sequence[str]) -> BlockMeasure:
+                  save_op_names: Sequence[str], like_cpu: bool = False) -> BlockMeasure:
     """Saved and peak bytes per option, and FLOPs, of one block on meta."""
     args, kwargs = tree_map(_detached, (args, kwargs))
     input_bytes = _distinct_bytes((args, kwargs))
-    saved, peak = {}, {}
+    saved, peak, sizes = {}, {}, {}
     for option in OPTIONS:
         candidate = copy.copy(block)  # shares the parameters, gets its own forward to wrap
-        candidate.forward = fused_forward(candidate.forward)
+        candidate.forward = fused_forward(candidate.forward, like_cpu)
         meter = SavedBytesMeter()
         checkpoint_block(candidate, option, save_ops, meter)
         live = LiveBytes()
@@ -223,19 +236,20 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequenc
             if isinstance(leaf, torch.Tensor):
                 leaf.grad = None
         saved[option] = meter.bytes
+        sizes[option] = tuple(meter.sizes)
         peak[option] = max(forward_peak, backward_peak)
-    forward_flops, saved_op_flops = _forward_flops(block, args, kwargs, save_op_names)
+    forward_flops, saved_op_flops = _forward_flops(block, args, kwargs, save_op_names, like_cpu)
     recompute = {"none": 0, "full": forward_flops,
                  "selective": max(0, forward_flops - saved_op_flops)}
     return BlockMeasure(saved_bytes=saved, peak_bytes=peak, forward_flops=forward_flops,
-                        recompute_flops=recompute)
+                        recompute_flops=recompute, storage_sizes=sizes)
 
 
 def _forward_flops(block: nn.Module, args: tuple, kwargs: dict,
-                   save_op_names: Sequence[str]) -> tuple[int, int]:
+                   save_op_names: Sequence[str], like_cpu: bool = False) -> tuple[int, int]:
     """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps) of one block."""
     counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})
-    with FusedAttentionOnMeta(), counter, torch.no_grad():
+    with FusedAttentionOnMeta(like_cpu), counter, torch.no_grad():
         block(*args, **kwargs)
     by_op = counter.get_flop_counts().get("Global", {})
     kept = set(save_op_names)
@@ -252,7 +266,8 @@ def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
 
 
 def measure_head(model: nn.Module, blocks: Sequence[nn.Module],
-                 run_forward: Callable[[nn.Module], torch.Tensor]) -> HeadMeasure:
+                 run_forward: Callable[[nn.Module], torch.Tensor],
+                 like_cpu: bool = False) -> HeadMeasure:
     """A whole forward on meta, measured only from the last block's output on.
 
     The last block's output is replaced by a detached leaf, so the backward runs the head alone.
@@ -270,7 +285,7 @@ def measure_head(model: nn.Module, blocks: Sequence[nn.Module],
     handle = blocks[-1].register_forward_hook(cut)
     try:
         with live:
-            with FusedAttentionOnMeta(), meter.measure():
+            with FusedAttentionOnMeta(like_cpu), meter.measure():
                 meter.active = False  # until the cut
                 loss = run_forward(model)
             assert started[0], "the last block did not run"
@@ -291,17 +306,19 @@ def measure_head(model: nn.Module, blocks: Sequence[nn.Module],
 
 def profile_on_meta(model: nn.Module, block_names: Sequence[str], blocks: Sequence[nn.Module],
                     run_forward: Callable[[nn.Module], torch.Tensor], save_ops: Sequence,
-                    save_op_names: Sequence[str]) -> MetaProfile:
-    """Everything the memory model needs about activations, from meta runs only."""
-    with FusedAttentionOnMeta():
+                    save_op_names: Sequence[str], like_cpu: bool = False) -> MetaProfile:
+    """Everything the memory model needs about activations, from meta runs only.
+
+    like_cpu: measure what a CPU run keeps (see FusedAttentionOnMeta); else a GPU's kernels."""
+    with FusedAttentionOnMeta(like_cpu):
         trace = trace_on_meta(model, blocks, run_forward)
-    head = measure_head(model, blocks, run_forward)
+    head = measure_head(model, blocks, run_forward, like_cpu)
     cache: dict[tuple, BlockMeasure] = {}
     measures = []
     for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
         key = _signature(block, args, kwargs)
         if key not in cache:
-            cache[key] = measure_block(block, args, kwargs, save_ops, save_op_names)
+            cache[key] = measure_block(block, args, kwargs, save_ops, save_op_names, like_cpu)
         measures.append(cache[key])
     return MetaProfile(block_names=tuple(block_names), blocks=tuple(measures),
                        rest_bytes=trace.rest_saved_bytes, head=head)

@@ -2,8 +2,8 @@
 
 The model is a chain of blocks: forward 0..N-1, then backward N-1..0. Block i's option o holds
 `saved_bytes` from its forward until its backward and adds `cost_s` seconds to a step (recompute,
-or transfer time that is not hidden). While block i's backward runs, `peak_bytes` (K_i) are alive
-on top of what blocks 0..i-1 still hold. So a plan's activation peak is
+or transfer time that is not hidden). While block i's backward runs, `peak_bytes` (K_i, which may
+depend on the option) are alive on top of what blocks 0..i-1 still hold. So a plan's activation peak is
 
     max( S_total, max_i (S_{<i} + K_i) ),   S_{<i} = saved bytes of blocks 0..i-1.
 
@@ -18,7 +18,7 @@ import itertools
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 _GIB = 1024 ** 3
 
@@ -28,13 +28,20 @@ class Option:
     name: str
     saved_bytes: int
     cost_s: float
+    # K_i of this option, when it differs from the block's (see BlockOptions.peak_of); a
+    # recomputing option may hold more or less while its backward runs than keeping everything.
+    peak_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
 class BlockOptions:
     name: str                 # block name, for messages
     options: tuple[Option, ...]
-    peak_bytes: int           # K_i: alive while this block's backward runs, whatever the option
+    peak_bytes: int           # K_i: alive while this block's backward runs (options may override)
+
+    def peak_of(self, index: int) -> int:
+        option = self.options[index]
+        return self.peak_bytes if option.peak_bytes is None else option.peak_bytes
 
 
 class InfeasibleBudget(ValueError):
@@ -69,13 +76,14 @@ def min_feasible_budget(blocks: Sequence[BlockOptions]) -> int:
     """The smallest activation peak any plan reaches (exact).
 
     Uses the suffix form of the peak (see plan_budget): M_i = max(K_i, s_i + M_{i+1}), M_N = 0,
-    peak = M_0. M_i only grows with s_i and with M_{i+1}, so the least M_0 takes the least s_i in
-    every block; computed through the recursion rather than assumed.
+    peak = M_0. M_i only grows with M_{i+1}, so the least M_i is the best option over the least
+    M_{i+1}: one pass from the last block.
     """
     _validate(blocks)
     suffix = 0
     for block in reversed(blocks):
-        suffix = min(max(block.peak_bytes, o.saved_bytes + suffix) for o in block.options)
+        suffix = min(max(block.peak_of(j), o.saved_bytes + suffix)
+                     for j, o in enumerate(block.options))
     return suffix
 
 
@@ -90,7 +98,7 @@ def plan_budget(blocks: Sequence[BlockOptions], budget_bytes: int, *,
     Algorithm: dynamic programming from the last block to the first over Pareto frontiers.
     Define, for the suffix of blocks i..N-1 (s_i = saved bytes of block i's chosen option),
 
-        M_i = max(K_i, s_i + M_{i+1}),  M_N = 0.
+        M_i = max(K_i, s_i + M_{i+1}),  M_N = 0   (K_i and s_i of block i's chosen option).
 
     Unrolled, S_{<i} + M_i = max(S_total, max_{j>=i} (S_{<j} + K_j)): the peak terms of the
     suffix, each S_{<i} plus a quantity of the suffix alone; the whole peak is M_0 (S_{<0} = 0).
@@ -152,7 +160,7 @@ def _peak(blocks: Sequence[BlockOptions], choice: Sequence[int]) -> int:
     held = 0  # S_{<i}
     peak = 0
     for block, index in zip(blocks, choice):
-        peak = max(peak, held + block.peak_bytes)
+        peak = max(peak, held + block.peak_of(index))
         held += block.options[index].saved_bytes
     return max(peak, held)
 
@@ -171,9 +179,10 @@ def _suffix_frontiers(blocks: Sequence[BlockOptions], costs: list[list[int]], bu
         room = budget_bytes - least_prefix[i]  # M_i above this cannot fit under any prefix
         next_ms, next_costs = frontiers[-1]
         candidates: list[tuple[int, int]] = []
-        for option, option_cost in zip(block.options, costs[i]):
+        for index, (option, option_cost) in enumerate(zip(block.options, costs[i])):
+            k = block.peak_of(index)
             for m, c in zip(next_ms, next_costs):
-                m_here = max(block.peak_bytes, option.saved_bytes + m)
+                m_here = max(k, option.saved_bytes + m)
                 if m_here > room:
                     break  # next_ms ascends, so the rest of this option's suffixes fail too
                 candidates.append((m_here, c + option_cost))
@@ -206,7 +215,7 @@ def _rebuild(blocks: Sequence[BlockOptions], costs: list[list[int]],
     for i, block in enumerate(blocks):
         next_ms, next_costs = frontiers[i + 1]
         for index, option in enumerate(block.options):
-            peak_here = max(peak_so_far, held + block.peak_bytes)
+            peak_here = max(peak_so_far, held + block.peak_of(index))
             held_after = held + option.saved_bytes
             cost_after = cost_so_far + costs[i][index]
             # The cheapest suffix whose M keeps the peak within best_peak (costs descend with M).
@@ -234,6 +243,9 @@ def _validate(blocks: Sequence[BlockOptions]) -> None:
         if block.peak_bytes < 0:
             raise ValueError(f"block {block.name!r}: peak_bytes={block.peak_bytes} must be >= 0")
         for o in block.options:
+            if o.peak_bytes is not None and o.peak_bytes < 0:
+                raise ValueError(f"block {block.name!r} option {o.name!r}: "
+                                 f"peak_bytes={o.peak_bytes} must be >= 0")
             if o.saved_bytes < 0:
                 raise ValueError(f"block {block.name!r} option {o.name!r}: "
                                  f"saved_bytes={o.saved_bytes} must be >= 0")

@@ -44,20 +44,26 @@ CHOICES = {"none": ("none", "none"), "selective": ("selective", "none"), "full":
 
 def block_options(names: Sequence[str], profiles: Sequence[BlockProfile],
                   offload: Optional[OffloadCost] = None) -> list[BlockOptions]:
-    """Each block's options with saved device bytes and added seconds.
+    """Each block's options with saved device bytes, added seconds and working set.
 
     Offloading costs the transfer time the block's own forward and backward cannot hide
-    (transfers run beside compute); the bytes that stay are the storages under min_bytes.
+    (transfers run beside compute); the bytes that stay are the storages under min_bytes. While
+    a block's backward runs, the engine already brings back the block before it, so every
+    option's working set counts what that block moves at most (checkpointing/memory.py).
     """
-    out = []
+    out, fetched = [], 0
     for index, (name, p) in enumerate(zip(names, profiles, strict=True)):
-        options = [Option(o, p.saved_bytes[o], p.cost_s[o]) for o in OPTIONS]
+        options = [Option(o, p.saved_bytes[o], p.cost_s[o], p.peak_of(o) + fetched)
+                   for o in OPTIONS]
+        fetched = 0
         if offload is not None and index < len(names) - offload.keep_last:
             for recompute in ("none", "full"):
                 stay = p.small_bytes(recompute, offload.min_bytes)
                 moved = p.saved_bytes[recompute] - stay
                 exposed = max(0.0, moved * offload.seconds_per_byte - p.compute_s)
-                options.append(Option(f"{recompute}+offload", stay, p.cost_s[recompute] + exposed))
+                options.append(Option(f"{recompute}+offload", stay, p.cost_s[recompute] + exposed,
+                                      options[OPTIONS.index(recompute)].peak_bytes))
+                fetched = max(fetched, moved)
         out.append(BlockOptions(name=name, peak_bytes=p.peak_bytes, options=tuple(options)))
     return out
 

@@ -29,15 +29,22 @@ class BlockProfile:
     cost_s: dict[str, float]  # per option: seconds added to forward+backward (recompute)
     compute_s: float = 0.0  # forward+backward of the block as it is (transfers can hide here)
     storage_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per option
+    # Per option: bytes alive while the block runs (its working set), from the memory model's
+    # meta measurement (checkpointing/metatrace.py); empty: not measured.
+    working_bytes: dict[str, int] = field(default_factory=dict)
 
     def small_bytes(self, option: str, min_bytes: int) -> int:
         """What stays on the device when `option`'s saved storages are offloaded."""
         return sum(n for n in self.storage_sizes.get(option, ()) if n < min_bytes)
 
+    def peak_of(self, option: str) -> int:
+        """Bytes alive while the block's backward runs under `option`: the measured working set,
+        else (not measured) everything it would keep without checkpointing."""
+        return self.working_bytes.get(option, self.saved_bytes["none"])
+
     @property
     def peak_bytes(self) -> int:
-        """Bytes alive while the block's backward runs: all its internals, whatever the option."""
-        return self.saved_bytes["none"]
+        return self.peak_of("none")
 
 
 @dataclass

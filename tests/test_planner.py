@@ -16,7 +16,7 @@ from checkpointing.planner import (BlockOptions, InfeasibleBudget, Option, PlanT
 _MIB = 1024 ** 2
 
 
-def _random_block(rng: random.Random, index: int) -> BlockOptions:
+def _random_block(rng: random.Random, index: int, own_peaks: bool = False) -> BlockOptions:
     """Option 0 keeps everything for free; the rest save less at a cost, some of them dominated.
 
     Block sizes vary by block, and costs come from a small grid half the time so that equal-cost
@@ -28,16 +28,20 @@ def _random_block(rng: random.Random, index: int) -> BlockOptions:
     for k in range(rng.randint(1, 3)):
         saved = rng.randint(0, keep)
         cost = rng.choice((0.25, 0.5, 1.0, 1.5)) if rng.random() < 0.5 else rng.uniform(0.01, 2.0)
-        options.append(Option(f"opt{k}", saved, cost))
+        # own_peaks: some options hold more or less than the block's K while their backward runs
+        # (a recompute's working set), never less than they save.
+        own = saved + rng.randint(0, 50) * scale if own_peaks and rng.random() < 0.7 else None
+        options.append(Option(f"opt{k}", saved, cost, own))
     # K_i >= every saved_bytes as the model guarantees; now and then exactly the largest.
     peak = keep + (0 if rng.random() < 0.3 else rng.randint(0, 30) * scale)
     return BlockOptions(f"block{index}", tuple(options), peak)
 
 
-def _random_chain(rng: random.Random, max_plans: int = 6000) -> list[BlockOptions]:
+def _random_chain(rng: random.Random, max_plans: int = 6000,
+                  own_peaks: bool = False) -> list[BlockOptions]:
     """1 to 8 blocks, redrawn until brute force has at most max_plans plans (keeps tests fast)."""
     while True:
-        blocks = [_random_block(rng, i) for i in range(rng.randint(1, 8))]
+        blocks = [_random_block(rng, i, own_peaks) for i in range(rng.randint(1, 8))]
         if math.prod(len(b.options) for b in blocks) <= max_plans:
             return blocks
 
@@ -51,10 +55,11 @@ def _least_peak_by_enumeration(blocks: list[BlockOptions]) -> int:
     return min(activation_peak(blocks, c) for c in choices)
 
 
-def test_matches_brute_force_on_random_heterogeneous_chains() -> None:
+@pytest.mark.parametrize("own_peaks", [False, True], ids=["block-peaks", "option-peaks"])
+def test_matches_brute_force_on_random_heterogeneous_chains(own_peaks: bool) -> None:
     rng = random.Random(20240607)
     for case in range(300):
-        blocks = _random_chain(rng)
+        blocks = _random_chain(rng, own_peaks=own_peaks)
         least = min_feasible_budget(blocks)
         most = _all_keep_peak(blocks)
         for budget in {least, most, *(rng.randint(least, most) for _ in range(2))}:
@@ -67,10 +72,11 @@ def test_matches_brute_force_on_random_heterogeneous_chains() -> None:
             assert got == expected, (case, budget, blocks)
 
 
-def test_min_feasible_budget_is_the_least_peak_of_any_plan() -> None:
+@pytest.mark.parametrize("own_peaks", [False, True], ids=["block-peaks", "option-peaks"])
+def test_min_feasible_budget_is_the_least_peak_of_any_plan(own_peaks: bool) -> None:
     rng = random.Random(7)
     for _ in range(100):
-        blocks = _random_chain(rng)
+        blocks = _random_chain(rng, own_peaks=own_peaks)
         assert min_feasible_budget(blocks) == _least_peak_by_enumeration(blocks)
 
 

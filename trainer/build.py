@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -167,6 +167,7 @@ class Built:
     compiled_blocks: int = 0  # blocks whose __call__ torch.compile replaced
     offloader: Optional[Offloader] = None
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
+    decision: Optional[object] = None  # trainer/autofit.py's Decision, when it chose the plan
 
 
 def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Sequence[nn.Module],
@@ -176,6 +177,10 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
     c, shard = cfg.checkpointing, cfg.sharding.mode != "none"
     if c.policy == "none":
         return choose_plan("none", names, shard), None, 0, None
+    if c.policy == "file":
+        from trainer.planfile import read_plan
+
+        return read_plan(c.plan_file, names, shard), None, 0, None
     payload = [None]
     if denv.rank == 0:
         task = task_for(cfg.model, cfg.data)
@@ -183,6 +188,8 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, denv.device, resolve_ops(c.save_ops),
                                   c.profile_repeats)
+        if c.policy == "budget":  # working sets from the memory model (the report's)
+            profiles = with_working_sets(cfg, model, names, blocks, profiles, denv.device)
         payload = [(profiles, trace.rest_saved_bytes)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Timings differ between ranks; every rank must carry out the same plan.
@@ -194,6 +201,22 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         offload = _offload_cost(cfg, denv, run_dir)
     plan = choose_plan(c.policy, names, shard, c.every, profiles, rest, budget, offload)
     return plan, profiles, rest, budget
+
+
+def with_working_sets(cfg: Config, model: nn.Module, names: Sequence[str],
+                      blocks: Sequence[nn.Module], profiles: list[BlockProfile],
+                      device: torch.device) -> list[BlockProfile]:
+    """Each profile with its block's working set per option, measured on meta by the memory
+    model (checkpointing/metatrace.py), for the planner's K."""
+    from checkpointing.metatrace import profile_on_meta
+
+    c = cfg.checkpointing
+    task = task_for(cfg.model, cfg.data)
+    inputs, targets = task.example(cfg.train.micro_batch_size)
+    meta = profile_on_meta(model, names, blocks, lambda m: task.loss(m, inputs, targets),
+                           resolve_ops(c.save_ops), list(c.save_ops),
+                           like_cpu=device.type == "cpu")
+    return [replace(p, working_bytes=dict(m.peak_bytes)) for p, m in zip(profiles, meta.blocks)]
 
 
 def _offload_cost(cfg: Config, denv: DistEnv, run_dir: str) -> Optional[OffloadCost]:
@@ -211,18 +234,24 @@ def _offload_cost(cfg: Config, denv: DistEnv, run_dir: str) -> Optional[OffloadC
 
 
 def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMeter,
-                run_dir: Optional[str] = None) -> Built:
+                run_dir: Optional[str] = None,
+                decided: Optional[tuple[list[BlockPlan], Optional[list[BlockProfile]]]] = None
+                ) -> Built:
     """Meta model -> blocks -> plan -> per block: checkpoint, offload hooks, compile, shard ->
-    root -> real."""
+    root -> real. decided: the plan (and its profiles) checkpointing=auto chose."""
     model = build_on_meta(cfg.model)
     flops = model_flops_per_token(cfg.model, model,
                                   task_for(cfg.model, cfg.data).tokens_per_sample)
     freeze(model, cfg.model.freeze)
     names, blocks = find_model_blocks(model, cfg.model.block_pattern)
     run_dir = run_dir or cfg.train.out_dir
-    plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)
     o = cfg.offload
-    if cfg.checkpointing.policy != "budget":  # the planner decided offload per block itself
+    if decided is not None:
+        plan, profiles = decided
+        rest, budget = 0, None
+    else:
+        plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)
+    if cfg.checkpointing.policy not in ("budget", "auto", "file"):  # those decided offload
         plan = with_offload(plan, o.target, o.keep_last)
     # Order matters: the checkpoint wrapper sits inside the offload hooks (which then see what
     # the block keeps: its inputs if it recomputes), both inside compile, and all of it inside

@@ -99,10 +99,18 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 300
     seed: int = 0
-    micro_batch_size: int = 16
+    # Sequences per forward on each rank; `auto` (with global_batch_size) picks the one with the
+    # least predicted step time that fits train.memory_gib (see trainer/autofit.py).
+    micro_batch_size: Any = 16
     grad_accum: int = 1
     # When set, grad_accum is derived: global_batch_size / (micro_batch_size * data-parallel size).
     global_batch_size: Optional[int] = None
+    # The memory one rank may use, for checkpointing=auto and micro_batch_size=auto. null: on CUDA
+    # the device's total minus memory_reserve_gib; on CPU there is no default.
+    memory_gib: Optional[float] = None
+    # Left out of a CUDA device's total when memory_gib is null: the CUDA context, NCCL buffers
+    # and the allocator's fragmentation, which the memory model does not count.
+    memory_reserve_gib: float = 4.0
     eval_every: int = 50
     eval_batches: int = 4
     run_name: Optional[str] = None
@@ -131,7 +139,9 @@ class ShardingConfig:
 
 @dataclass
 class CheckpointingConfig:
-    policy: str = "none"  # none | full | every_k | sqrt | selective | budget
+    # none | full | every_k | sqrt | selective | budget | auto (the fastest plan that fits
+    # train.memory_gib) | file (plan_file)
+    policy: str = "none"
     every: int = 2  # every_k: recompute every k-th block
     # selective: aten ops whose outputs are kept (matmuls, attention); the rest is recomputed.
     save_ops: List[str] = field(default_factory=lambda: list(DEFAULT_SAVE_OPS))
@@ -139,6 +149,8 @@ class CheckpointingConfig:
     # activation bytes without checkpointing.
     budget: Optional[float] = None
     profile_repeats: int = 3  # timing repeats per option when profiling a block
+    # file: the per-block plan of an earlier run (its plan.json), carried out as it is.
+    plan_file: Optional[str] = None
 
 
 @dataclass
@@ -160,6 +172,10 @@ class LoggingConfig:
     wandb_project: str = "blocktrain"
     wandb_entity: Optional[str] = None
     wandb_init_timeout_s: float = 60.0
+    # Count the live tensor bytes (parameters, gradients, optimizer state, activations) of this
+    # optimizer step and log them as live_peak_bytes: the quantity the memory model predicts,
+    # also on CPU where the process peak includes the interpreter. Slows that one step.
+    live_bytes_step: Optional[int] = None
 
 
 @dataclass
@@ -217,7 +233,8 @@ CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "train.compile_backend": ("inductor", "aot_eager", "eager"),
     "sharding.mode": ("fsdp", "hsdp", "none"),
-    "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget"),
+    "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget", "auto",
+                             "file"),
     "offload.target": ("none", "cpu", "disk"),
 }
 

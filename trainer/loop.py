@@ -25,7 +25,9 @@ from offload.apply import close_offloader, offload_micro_batch
 from offload.engine import Offloader
 from trainer.distenv import DistEnv, init_distributed, read_env, shutdown
 from sharding.fsdp import reshard_all, set_grad_sync
+from trainer.autofit import fitting, rows as fit_rows, table as fit_table
 from trainer.build import Built, build_model
+from trainer.fitrun import DECISION_FILE as FIT_FILE, fit_run
 from trainer.config import Config
 from trainer.validate import Layout
 from trainer.hf_settings import model_vocab_size
@@ -185,9 +187,14 @@ def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
 
 
 def _train_owned(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
+    decision = None
+    if fitting(cfg):  # checkpointing=auto or micro_batch_size=auto: decide, then build as usual
+        cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
     t, device = cfg.train, denv.device
     meter = SavedBytesMeter()
-    built = build_model(cfg, denv, layout.replicate, meter, run_dir)
+    built = build_model(cfg, denv, layout.replicate, meter, run_dir,
+                        None if decision is None else (decision.plan, decision.profiles))
+    built.decision = decision
     checkpointer = Checkpointer(cfg.save.dir or os.path.join(run_dir, "checkpoints"),
                                 cfg.save.keep, cfg.save.async_save, denv.rank, denv.world_size,
                                 device, dataclasses.asdict(cfg.model))
@@ -233,6 +240,13 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         with open(os.path.join(run_dir, "plan.json"), "w") as f_plan:
             f_plan.write(plan_to_json(plan))
         logger.plan(plan_table(plan, built.profiles), plan_rows(plan, built.profiles))
+        if built.decision is not None:
+            d = built.decision
+            logger.table("auto_candidates", f"fitting {d.capacity / 2**30:.2f} GiB per rank: "
+                         f"micro-batch {d.micro_batch}, predicted peak "
+                         f"{d.peak_bytes / 2**30:.3f} GiB, step {d.step_s:.4f} s ("
+                         f"{'as decided at the first start: ' if d.reused else 'saved in '}"
+                         f"{FIT_FILE}); candidates", fit_table(d), fit_rows(d))
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x "
                 f"shard {layout.shard}) on {device.type}; {num_params / 1e6:.2f}M parameters; "

@@ -101,9 +101,13 @@ class RunLogger:
 
     def plan(self, table: str, rows: list[dict]) -> None:
         """The per-block plan: printed once at start and kept in W&B as a table."""
-        self.info("per-block plan:\n" + table)
+        self.table("plan", "per-block plan", table, rows)
+
+    def table(self, key: str, title: str, text: str, rows: list[dict]) -> None:
+        """A table printed once and kept in W&B under `key`."""
+        self.info(f"{title}:\n{text}")
         if self.wandb is not None:
-            self.wandb.log_table("plan", rows)
+            self.wandb.log_table(key, rows)
 
     def info(self, message: str) -> None:
         if self.enabled:

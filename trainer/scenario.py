@@ -59,15 +59,25 @@ def with_changes(scenario: Scenario, world_size: Optional[int] = None, nodes: Op
     return Scenario(cfg, layout, world // num_nodes)
 
 
-def setup_of(scenario: Scenario, orig_dtype: torch.dtype, optimizer_foreach: bool) -> Setup:
-    s = scenario.cfg.sharding
+def device_type_of(cfg: Config) -> str:
+    """The device a prediction is for: the run's own on CPU, else a GPU (the report's purpose)."""
+    return "cpu" if cfg.train.device == "cpu" else "cuda"
+
+
+def setup_of(scenario: Scenario, orig_dtype: torch.dtype, optimizer_foreach: bool,
+             device_type: str = "cuda") -> Setup:
+    s, o = scenario.cfg.sharding, scenario.cfg.offload
     param_dtype = DTYPES[s.param_dtype] if s.param_dtype else orig_dtype
+    # Offload moves data except to the CPU from the CPU (offload/apply.py keeps them in place).
+    moves = o.target == "disk" or (o.target == "cpu" and device_type == "cuda")
     return Setup(mode=s.mode, world_size=scenario.layout.world_size, shard=scenario.layout.shard,
                  grad_accum=scenario.layout.grad_accum, param_dtype=param_dtype,
                  orig_dtype=orig_dtype,
                  reduce_dtype=DTYPES[s.reduce_dtype] if s.reduce_dtype else param_dtype,
                  reshard_after_forward=s.reshard_after_forward,
-                 optimizer_foreach=optimizer_foreach, cpu_offload=s.cpu_offload)
+                 optimizer_foreach=optimizer_foreach,
+                 cpu_offload=s.cpu_offload and device_type == "cuda",
+                 offload_min_bytes=o.min_bytes if moves else None)
 
 
 def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockProfile]:
@@ -93,9 +103,11 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
 class Evaluator:
     """Predicts scenarios, tracing each distinct activation shape on meta only once."""
 
-    def __init__(self, tflops: float, optimizer_foreach: bool = True) -> None:
+    def __init__(self, tflops: float, optimizer_foreach: bool = True,
+                 device_type: str = "cuda") -> None:
         self.seconds_per_flop = 1.0 / (tflops * 1e12)
         self.optimizer_foreach = optimizer_foreach
+        self.device_type = device_type  # cpu: attention as the CPU runs it (metatrace.py)
         self._profiles: dict[tuple, tuple[MetaProfile, list[ParamGroup], torch.dtype]] = {}
 
     def profile(self, cfg: Config) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
@@ -115,13 +127,21 @@ class Evaluator:
             names_ops = list(cfg.checkpointing.save_ops)
             profile = profile_on_meta(model, names, blocks,
                                       lambda m: task.loss(m, inputs, targets),
-                                      resolve_ops(names_ops), names_ops)
+                                      resolve_ops(names_ops), names_ops,
+                                      like_cpu=self.device_type == "cpu")
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]
 
-    def evaluate(self, scenario: Scenario) -> Outcome:
+    def setup(self, scenario: Scenario) -> Setup:
+        return setup_of(scenario, self.profile(scenario.cfg)[2], self.optimizer_foreach,
+                        self.device_type)
+
+    def evaluate(self, scenario: Scenario, plan: Optional[list[BlockPlan]] = None) -> Outcome:
+        """The prediction of the trainer's plan for this config, or of `plan` when given."""
         profile, groups, orig_dtype = self.profile(scenario.cfg)
-        plan, budget = make_plan(scenario, profile, self.seconds_per_flop)
-        setup = setup_of(scenario, orig_dtype, self.optimizer_foreach)
+        budget = None
+        if plan is None:
+            plan, budget = make_plan(scenario, profile, self.seconds_per_flop)
+        setup = self.setup(scenario)
         return Outcome(scenario, plan, estimate(groups, profile, plan, setup), profile, groups,
                        budget, self.seconds_per_flop)

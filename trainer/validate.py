@@ -178,7 +178,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(value in allowed, key, f"got {value!r}; choose one of {', '.join(allowed)}")
     positive = ("model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.vocab_size", "model.ffn_hidden", "model.max_seq_len", "data.seq_len",
-                "data.max_corpus_bytes", "train.steps", "train.micro_batch_size",
+                "data.max_corpus_bytes", "train.steps",
                 "train.grad_accum", "train.eval_every", "train.eval_batches",
                 "train.dist_timeout_s", "logging.every", "checkpointing.every",
                 "checkpointing.profile_repeats")
@@ -201,7 +201,42 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(value is None or value in DTYPES, key,
                 f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
 
+    t = cfg.train
+    auto_batch = t.micro_batch_size == "auto"
+    require(auto_batch or (isinstance(t.micro_batch_size, int)
+                           and not isinstance(t.micro_batch_size, bool)
+                           and t.micro_batch_size > 0), "train.micro_batch_size",
+            f"must be a positive integer or auto, got {t.micro_batch_size!r}")
+    require(t.memory_gib is None or t.memory_gib > 0, "train.memory_gib",
+            f"must be null or > 0 GiB, got {t.memory_gib}")
+    require(t.memory_reserve_gib >= 0, "train.memory_reserve_gib",
+            f"must be >= 0 GiB, got {t.memory_reserve_gib}")
+    fitting = auto_batch or cfg.checkpointing.policy == "auto"
+    if fitting and t.memory_gib is None:
+        what = ("checkpointing=auto" if cfg.checkpointing.policy == "auto"
+                else "train.micro_batch_size=auto")
+        require(t.device != "cpu", "train.memory_gib",
+                f"{what} on CPU needs the memory one rank may use, e.g. train.memory_gib=2 "
+                "(on CUDA it defaults to the device's memory)")
+    if auto_batch:
+        require(t.global_batch_size is not None, "train.global_batch_size",
+                "train.micro_batch_size=auto needs the global batch fixed, e.g. "
+                "train.global_batch_size=64")
+        require(cfg.checkpointing.policy != "budget", "checkpointing",
+                "budget fixes activation bytes, not the step's memory; with "
+                "train.micro_batch_size=auto use checkpointing=auto (or a fixed policy)")
+    require(cfg.logging.live_bytes_step is None or cfg.logging.live_bytes_step > 0,
+            "logging.live_bytes_step", f"must be null or a step >= 1, got "
+            f"{cfg.logging.live_bytes_step}")
+
     c = cfg.checkpointing
+    if c.policy == "file":
+        require(c.plan_file is not None and os.path.isfile(c.plan_file),
+                "checkpointing.plan_file", f"checkpointing=file needs a plan.json of an earlier "
+                f"run, got {c.plan_file!r}")
+    else:
+        require(c.plan_file is None, "checkpointing.plan_file",
+                f"only applies to checkpointing=file (now checkpointing={c.policy})")
     if c.policy == "budget":
         require(c.budget is not None and c.budget > 0, "checkpointing.budget",
                 "checkpointing=budget needs checkpointing.budget=<bytes per rank, or a fraction "
@@ -271,8 +306,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
                 f"{replicate} does not divide the world size {world_size}")
     shard = world_size // replicate if s.mode != "none" else 1
 
-    t = cfg.train
-    per_accum = t.micro_batch_size * world_size
+    # micro_batch_size=auto: the layout of micro-batch 1 until trainer/autofit.py chooses one.
+    per_accum = (1 if auto_batch else t.micro_batch_size) * world_size
     if t.global_batch_size is None:
         grad_accum = t.grad_accum
     else:

@@ -1,0 +1,245 @@
+"""Fitting a run to its memory: `checkpointing=auto` and `train.micro_batch_size=auto`.
+
+For every candidate micro-batch (one, or with `auto` every divisor of this rank's share of
+`train.global_batch_size`, largest first), the memory model (checkpointing/memory.py, the
+report's) is measured on meta at that shape. A candidate no plan can fit is dropped without
+timing; the others get their step time: the trainer times each distinct block on the device
+(checkpointing/profile.py), the report uses FLOPs at a nominal rate. Then `checkpointing=auto`
+takes the fastest plan that fits (checkpointing/fit.py), a fixed policy its own plan, and the
+candidate with the least predicted step time wins (a tie goes to the larger micro-batch). Every
+candidate considered, with the uniform policies beside auto's plan, is kept as a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from checkpointing.fit import Choice, NoFit, Timing, evaluate_plan, fit_plan
+from checkpointing.plan import BlockPlan, describe, make_plan, recompute_pattern, with_offload
+from checkpointing.profile import BlockProfile
+from trainer.config import Config, ConfigError
+from trainer.scenario import Evaluator, Scenario, with_changes
+from trainer.validate import Layout
+
+GIB = 2 ** 30
+UNIFORM = ("none", "selective", "full")
+# Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
+# reached, and one NVMe drive.
+NOMINAL_SECONDS_PER_BYTE = {"cpu": 1 / 20e9, "disk": 1 / 2e9}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    micro_batch: int
+    grad_accum: int
+    policy: str  # auto (the planner's plan at this micro-batch) or the uniform policy shown
+    plan: str  # describe() of the plan, or why there is none
+    peak_bytes: int  # predicted; for a candidate nothing fits: the least any plan needs
+    step_s: Optional[float]  # predicted seconds per optimizer step; None when not timed
+    fits: bool
+    chosen: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    micro_batch: int
+    grad_accum: int
+    plan: list[BlockPlan]
+    capacity: int
+    peak_bytes: int
+    step_s: float
+    candidates: list[Candidate]
+    profiles: Optional[list[BlockProfile]] = None  # device profiles at the chosen micro-batch
+    reused: bool = False  # read back from an earlier start of the run (trainer/fitrun.py)
+
+
+# (cfg at one micro-batch, its scenario, the meta profile's evaluator) -> (timing, profiles)
+Timer = Callable[[Config, Scenario, Evaluator], tuple[Timing, Optional[list[BlockProfile]]]]
+
+
+def fitting(cfg: Config) -> bool:
+    return cfg.checkpointing.policy == "auto" or cfg.train.micro_batch_size == "auto"
+
+
+def micro_batches(cfg: Config, layout: Layout) -> list[int]:
+    """The candidates, largest first."""
+    if cfg.train.micro_batch_size != "auto":
+        return [int(cfg.train.micro_batch_size)]
+    per_rank = cfg.train.global_batch_size // layout.world_size
+    return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+
+
+def at_micro_batch(scenario: Scenario, micro_batch: int) -> Scenario:
+    return with_changes(scenario, train={"micro_batch_size": micro_batch})
+
+
+def fixed_plan(cfg: Config, names: Sequence[str], policy: Optional[str] = None) -> list[BlockPlan]:
+    """The plan of a profile-free policy, with offload as the trainer applies it."""
+    c, shard = cfg.checkpointing, cfg.sharding.mode != "none"
+    if (policy or c.policy) == "file":
+        from trainer.planfile import read_plan
+
+        return read_plan(c.plan_file, names, shard)
+    plan = make_plan(names, recompute_pattern(policy or c.policy, len(names), c.every), shard)
+    return with_offload(plan, cfg.offload.target, cfg.offload.keep_last)
+
+
+def flop_timing(evaluator: Evaluator) -> Timer:
+    """Step times from FLOPs at the evaluator's nominal rate (the report: nothing is timed)."""
+    def timer(cfg: Config, scenario: Scenario, ev: Evaluator):
+        profile = ev.profile(cfg)[0]
+        spf = evaluator.seconds_per_flop
+        rest = rest_flops(cfg, profile) * spf
+        return Timing(tuple({o: f * spf for o, f in m.recompute_flops.items()}
+                            for m in profile.blocks),
+                      tuple(3 * m.forward_flops * spf for m in profile.blocks), rest,
+                      NOMINAL_SECONDS_PER_BYTE.get(cfg.offload.target)), None
+    return timer
+
+
+def rest_flops(cfg: Config, profile) -> float:
+    """Training FLOPs of one micro-batch outside the blocks (embedding, head, loss)."""
+    from trainer.build import build_on_meta, model_flops_per_token
+    from trainer.task import task_for
+
+    tokens = task_for(cfg.model, cfg.data).tokens_per_sample
+    total = model_flops_per_token(cfg.model, build_on_meta(cfg.model), tokens) * tokens
+    blocks = 3 * sum(m.forward_flops for m in profile.blocks)
+    return max(0.0, total * cfg.train.micro_batch_size - blocks)
+
+
+def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
+           timer: Timer) -> Decision:
+    """The micro-batch and plan with the least predicted step time that fit `capacity`."""
+    policy = cfg.checkpointing.policy
+    rows: list[Candidate] = []
+    best: Optional[tuple[Choice, int, int, Optional[list[BlockProfile]]]] = None
+    least: Optional[tuple[int, int, str]] = None  # (bytes, micro-batch, plan) when none fits
+    for micro_batch in micro_batches(cfg, scenario.layout):
+        at = at_micro_batch(scenario, micro_batch)
+        profile, groups, _ = evaluator.profile(at.cfg)
+        setup = evaluator.setup(at)
+        names = list(profile.block_names)
+        accum = at.layout.grad_accum
+        untimed = Timing(tuple({o: 0.0 for o in UNIFORM} for _ in names),
+                         tuple(0.0 for _ in names), 0.0)
+        try:  # memory first: a candidate nothing fits is not worth timing on the device
+            choice = _choose(at.cfg, policy, groups, profile, setup, untimed, capacity)
+        except NoFit as exc:
+            rows.append(Candidate(micro_batch, accum, policy, "no plan fits", exc.least, None,
+                                  False))
+            if least is None or exc.least < least[0]:
+                least = (exc.least, micro_batch, "the least-memory plan")
+            continue
+        timing, profiles = timer(at.cfg, at, evaluator)
+        choice = _choose(at.cfg, policy, groups, profile, setup, timing, capacity)
+        rows.append(Candidate(micro_batch, accum, policy, describe(choice.plan), choice.peak,
+                              choice.step_s, True))
+        if policy == "auto":  # the uniform policies beside it, for the record
+            for uniform in UNIFORM:
+                other = evaluate_plan(groups, profile, setup, timing,
+                                      fixed_plan(at.cfg, names, uniform))
+                rows.append(Candidate(micro_batch, accum, uniform, describe(other.plan),
+                                      other.peak, other.step_s, other.peak <= capacity))
+        if best is None or choice.step_s < best[0].step_s:
+            best = (choice, micro_batch, accum, profiles)
+    if best is None:
+        raise ConfigError("train.memory_gib", no_fit_message(cfg, scenario, evaluator, capacity,
+                                                             least, rows))
+    choice, micro_batch, accum, profiles = best
+    rows = [dataclasses.replace(r, chosen=True) if (r.micro_batch, r.policy) ==
+            (micro_batch, policy) else r for r in rows]
+    return Decision(micro_batch, accum, choice.plan, capacity, choice.peak, choice.step_s, rows,
+                    profiles)
+
+
+def _choose(cfg: Config, policy: str, groups, profile, setup, timing: Timing,
+            capacity: int) -> Choice:
+    if policy == "auto":
+        return fit_plan(groups, profile, setup, timing, capacity, cfg.sharding.mode != "none",
+                        cfg.offload.keep_last, cfg.offload.target)
+    choice = evaluate_plan(groups, profile, setup, timing,
+                           fixed_plan(cfg, list(profile.block_names)))
+    if choice.peak > capacity:
+        raise NoFit(capacity, choice.peak)
+    return choice
+
+
+def no_fit_message(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
+                   least: Optional[tuple[int, int, str]], rows: Sequence[Candidate]) -> str:
+    """One line: the capacity, the least that works, and what else would make it fit."""
+    what = ("checkpointing=auto" if cfg.checkpointing.policy == "auto"
+            else f"checkpointing={cfg.checkpointing.policy}")
+    assert least is not None
+    smallest = min(r.micro_batch for r in rows)
+    text = (f"{capacity / GIB:.2f} GiB per rank is too small for {what}: the least that fits is "
+            f"{least[0] / GIB:.2f} GiB (micro-batch {least[1]})")
+    others = alternatives(cfg, at_micro_batch(scenario, smallest), evaluator, capacity)
+    if others:
+        text += "; it would fit with " + " or ".join(others)
+    return text + "; raise train.memory_gib or change one of these"
+
+
+def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
+                 capacity: int) -> list[str]:
+    """Changes that make the least-memory plan of this micro-batch fit, each predicted."""
+    s, found = cfg.sharding, []
+    untimed = flop_timing(evaluator)
+
+    def least(changed: Scenario) -> Optional[int]:
+        profile, groups, _ = evaluator.profile(changed.cfg)
+        timing = untimed(changed.cfg, changed, evaluator)[0]
+        try:
+            return fit_plan(groups, profile, evaluator.setup(changed), timing, capacity,
+                            s.mode != "none", changed.cfg.offload.keep_last,
+                            changed.cfg.offload.target).peak
+        except NoFit:
+            return None
+        except ConfigError:  # the trainer would refuse this change
+            return None
+
+    tries = []
+    if s.mode != "none" and evaluator.device_type == "cuda" and not s.cpu_offload:
+        tries.append(("sharding.cpu_offload=true", lambda: with_changes(
+            scenario, sharding={"cpu_offload": True})))
+    if s.mode != "none" and s.param_dtype != "bfloat16":
+        tries.append(("sharding.param_dtype=bfloat16 sharding.reduce_dtype=float32",
+                      lambda: with_changes(scenario, sharding={"param_dtype": "bfloat16",
+                                                               "reduce_dtype": "float32"})))
+    if s.mode == "fsdp":
+        for factor in (2, 4, 8, 16, 32, 64):
+            world = scenario.layout.world_size * factor
+            tries.append((f"{world} ranks", lambda w=world: with_changes(
+                scenario, world_size=w, nodes=max(1, w // scenario.gpus_per_node),
+                train={"global_batch_size": None, "grad_accum": scenario.layout.grad_accum})))
+    ranks_found = False
+    for text, make in tries:
+        if text.endswith("ranks") and ranks_found:
+            continue
+        try:
+            peak = least(make())
+        except ConfigError:
+            peak = None
+        if peak is not None:
+            found.append(f"{text} ({peak / GIB:.2f} GiB)")
+            ranks_found = ranks_found or text.endswith("ranks")
+    return found
+
+
+def table(decision: Decision) -> str:
+    """The candidates as a terminal table, the chosen one marked."""
+    lines = [f"{'':1} {'micro':>5} {'accum':>5} {'policy':<9} {'predicted peak GiB':>18} "
+             f"{'step s':>9} {'fits':<4} plan"]
+    for r in decision.candidates:
+        step = f"{r.step_s:9.4f}" if r.step_s is not None else f"{'-':>9}"
+        least = "" if r.fits or r.step_s is not None else " (least)"
+        lines.append(f"{'*' if r.chosen else ' ':1} {r.micro_batch:>5} {r.grad_accum:>5} "
+                     f"{r.policy:<9} {r.peak_bytes / GIB:>18.4f} {step} "
+                     f"{'yes' if r.fits else 'no':<4} {r.plan}{least}")
+    return "\n".join(lines)
+
+
+def rows(decision: Decision) -> list[dict]:
+    return [dataclasses.asdict(r) for r in decision.candidates]

@@ -1,0 +1,155 @@
+"""The trainer's side of fitting (trainer/autofit.py): device timing, one decision for all ranks,
+and the same decision again when the run is started again.
+
+Rank 0 decides (its timings are the only ones used) and every rank receives the decision, as
+the budget planner's profiles are shared. The decision is written to `<run dir>/auto.json`; a
+restarted or requeued run with the same settings reads it back instead of timing again, so a
+resumed run continues with the micro-batch and plan it started with (a fresh timing could pick
+another, and the loss curve would not continue bit for bit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from checkpointing.fit import Timing
+from checkpointing.metatrace import cast_like_fsdp
+from checkpointing.plan import BlockPlan
+from checkpointing.profile import profile_blocks, trace_on_meta
+from checkpointing.wrap import resolve_ops
+from offload.apply import offload_dir
+from offload.bandwidth import seconds_per_byte
+from sharding.fsdp import DTYPES
+from trainer.autofit import GIB, Candidate, Decision, Timer, decide, rest_flops
+from trainer.build import build_on_meta, find_model_blocks
+from trainer.config import Config, ConfigError
+from trainer.distenv import DistEnv
+from trainer.scenario import Evaluator, Scenario
+from trainer.task import task_for
+from trainer.validate import Layout
+
+log = logging.getLogger("trainer")
+DECISION_FILE = "auto.json"
+
+
+def capacity_of(cfg: Config, device: torch.device) -> int:
+    """train.memory_gib, else on CUDA the device's total minus train.memory_reserve_gib."""
+    t = cfg.train
+    if t.memory_gib is not None:
+        return int(t.memory_gib * GIB)
+    if device.type != "cuda":
+        raise ConfigError("train.memory_gib", "needs a value on CPU (the memory one rank may "
+                          "use, e.g. train.memory_gib=2); only a CUDA device has a default")
+    total = torch.cuda.get_device_properties(device).total_memory
+    capacity = total - int(t.memory_reserve_gib * GIB)
+    if capacity <= 0:
+        raise ConfigError("train.memory_reserve_gib", f"{t.memory_reserve_gib} GiB leaves "
+                          f"nothing of the device's {total / GIB:.1f} GiB")
+    return capacity
+
+
+def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) -> Timer:
+    """Times each distinct block at the candidate's shapes on the device (as the budget
+    planner's profiles); the rest of the model at the blocks' measured FLOP rate."""
+    moved: dict[str, float] = {}
+
+    def timer(cfg: Config, scenario: Scenario, evaluator: Evaluator):
+        model = build_on_meta(cfg.model)
+        _, blocks = find_model_blocks(model, cfg.model.block_pattern)
+        s = cfg.sharding
+        if s.mode != "none" and s.param_dtype:  # time what FSDP will run: the compute dtype
+            cast_like_fsdp(model, blocks, DTYPES[s.param_dtype])
+        task = task_for(cfg.model, cfg.data)
+        inputs, targets = task.example(cfg.train.micro_batch_size)
+        trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
+        profiles = profile_blocks(blocks, trace, device,
+                                  resolve_ops(cfg.checkpointing.save_ops), repeats)
+        profile = evaluator.profile(cfg)[0]
+        profiles = [dataclasses.replace(p, working_bytes=dict(m.peak_bytes))
+                    for p, m in zip(profiles, profile.blocks)]
+        compute = sum(p.compute_s for p in profiles)
+        block_flops = 3 * sum(m.forward_flops for m in profile.blocks)
+        rest = rest_flops(cfg, profile) * (compute / block_flops if block_flops else 0.0)
+        o = cfg.offload
+        per_byte = None
+        if evaluator.setup(scenario).offload_min_bytes is not None:
+            if o.target not in moved:  # measured once per run
+                moved[o.target] = seconds_per_byte(o.target, device,
+                                                   offload_dir(o.dir, run_dir, rank))
+            per_byte = moved[o.target]
+        return Timing(tuple(dict(p.cost_s) for p in profiles),
+                      tuple(p.compute_s for p in profiles), rest, per_byte), profiles
+    return timer
+
+
+def _key(cfg: Config, world_size: int, capacity: int) -> dict:
+    """What the decision depends on: a restart with other values decides again."""
+    t, o = cfg.train, cfg.offload
+    return {"world_size": world_size, "capacity": capacity,
+            "model": dataclasses.asdict(cfg.model), "seq_len": cfg.data.seq_len,
+            "sharding": dataclasses.asdict(cfg.sharding),
+            "checkpointing": dataclasses.asdict(cfg.checkpointing),
+            "offload": [o.target, o.min_bytes, o.keep_last],
+            "train": [t.micro_batch_size, t.global_batch_size, t.grad_accum, t.compile]}
+
+
+def _read(path: str, key: dict) -> Optional[Decision]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("key") != json.loads(json.dumps(key)):
+            return None
+        d = data["decision"]
+        return Decision(d["micro_batch"], d["grad_accum"], [BlockPlan(**p) for p in d["plan"]],
+                        d["capacity"], d["peak_bytes"], d["step_s"],
+                        [Candidate(**c) for c in d["candidates"]], reused=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: str, key: dict, decision: Decision) -> None:
+    data = dataclasses.asdict(dataclasses.replace(decision, profiles=None))
+    data.pop("profiles")
+    data.pop("reused")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"key": key, "decision": data}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def fit_run(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
+            gpus_per_node: int) -> tuple[Config, Layout, Decision]:
+    """(config with the chosen micro-batch, its layout, the decision)."""
+    payload: list = [None]
+    if denv.rank == 0:
+        try:
+            capacity = capacity_of(cfg, denv.device)
+            key = _key(cfg, denv.world_size, capacity)
+            path = os.path.join(run_dir, DECISION_FILE)
+            decision = _read(path, key)
+            if decision is None:
+                evaluator = Evaluator(1.0, optimizer_foreach=denv.device.type == "cuda",
+                                      device_type=denv.device.type)
+                timer = device_timer(denv.device, cfg.checkpointing.profile_repeats, run_dir,
+                                     denv.rank)
+                decision = decide(cfg, Scenario(cfg, layout, gpus_per_node), evaluator,
+                                  capacity, timer)
+                _write(path, key, decision)
+            payload = [decision]
+        except ConfigError as exc:  # sent as text: the exception's own pickling loses its key
+            payload = [(exc.key, str(exc).removeprefix(f"{exc.key}: "))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], tuple):
+        raise ConfigError(*payload[0])
+    decision = payload[0]
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, micro_batch_size=decision.micro_batch))
+    return cfg, dataclasses.replace(layout, grad_accum=decision.grad_accum), decision

@@ -1,0 +1,40 @@
+"""`checkpointing=file`: carry out a per-block plan an earlier run wrote (its plan.json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Sequence
+
+from checkpointing.plan import BlockPlan
+from trainer.config import ConfigError
+
+_ALLOWED = {"recompute": ("none", "full", "selective"), "offload": ("none", "inputs", "all"),
+            "target": ("cpu", "disk")}
+
+
+def read_plan(path: str, names: Sequence[str], shard: bool) -> list[BlockPlan]:
+    """The plan in `path` for these blocks (same names, same order); `shard` follows this run's
+    sharding, since the file's was the earlier run's."""
+    key = "checkpointing.plan_file"
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(key, f"{path} is not a plan.json (a list of blocks)")
+    if [r.get("name") for r in rows] != list(names):
+        raise ConfigError(key, f"{path} plans {len(rows)} blocks "
+                          f"({', '.join(str(r.get('name')) for r in rows[:3])}, ...) but this "
+                          f"model has {len(names)} ({', '.join(names[:3])}, ...)")
+    known = {f.name for f in fields(BlockPlan)}
+    plan = []
+    for index, row in enumerate(rows):
+        for field, allowed in _ALLOWED.items():
+            if row.get(field, allowed[0]) not in allowed:
+                raise ConfigError(key, f"{path}, block {row['name']}: {field}="
+                                  f"{row.get(field)!r}; choose one of {', '.join(allowed)}")
+        values = {k: v for k, v in row.items() if k in known}
+        plan.append(BlockPlan(**{**values, "index": index, "shard": shard}))
+    return plan
