@@ -97,6 +97,41 @@ def test_derived_layout() -> None:
     assert (layout.grad_accum, layout.global_batch_size) == (4, 32)
 
 
+# (overrides, param_dtype, reduce_dtype): the big presets default to bf16 parameters with fp32
+# reduce under FSDP/HSDP (conf/precision/), whatever the order on the command line; the command
+# line still wins; sharding=none (DDP, no mixed precision) stays fp32 and valid.
+PRESET_DTYPES = [
+    (["model=llama_8b"], "bfloat16", "float32"),
+    (["model=llama_70b"], "bfloat16", "float32"),
+    (["model=llama_8b", "sharding=hsdp"], "bfloat16", "float32"),
+    (["sharding=hsdp", "model=llama_70b"], "bfloat16", "float32"),
+    (["model=llama_8b", "sharding.param_dtype=null"], None, "float32"),
+    (["sharding.param_dtype=null", "sharding.reduce_dtype=null", "model=llama_70b"], None, None),
+    (["model=llama_8b", "sharding=hsdp", "sharding.reduce_dtype=bfloat16"], "bfloat16",
+     "bfloat16"),
+    (["model=llama_8b", "sharding=none"], None, None),
+    (["model=llama_70b", "sharding=none"], None, None),
+    (["model=tiny"], None, None),
+    (["model=llama_1b"], None, None),
+]
+
+
+@pytest.mark.parametrize("overrides,param_dtype,reduce_dtype", PRESET_DTYPES)
+def test_big_presets_default_to_bf16_with_fp32_reduce(overrides, param_dtype, reduce_dtype):
+    cfg, _ = check([*overrides, "data=synthetic"], {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"},
+                   local_gpus=False)
+    assert (cfg.sharding.param_dtype, cfg.sharding.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+def test_every_precision_file_names_a_model_and_a_sharding() -> None:
+    """conf/precision/<model>_<sharding>.yaml is an optional defaults entry: a misnamed file (or
+    a renamed preset) would be skipped without a word."""
+    pairs = {f"{m}_{s}" for m in _options("model") for s in _options("sharding")}
+    names = _options("precision")
+    assert names and set(names) <= pairs, sorted(set(names) - pairs)
+    assert not any(name.endswith("_none") for name in names)  # validate refuses it: DDP
+
+
 # (overrides, key the one-line message must name, world size)
 BAD_INPUTS = [
     (["train.steps=abc"], "train.steps", 1),

@@ -237,7 +237,8 @@ def _plan_cli(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, 
 
 
 def _param_bytes_per_rank(overrides: list[str], shard: int) -> int:
-    """FSDP2's local shard of every distinct parameter: chunk 0 of dim 0 (padded), fp32."""
+    """FSDP2's local shard of every distinct parameter: chunk 0 of dim 0 (padded), fp32 (the
+    sharded parameters stay fp32 under bf16 mixed precision too)."""
     model = build_llama(llama_args(config(*overrides).model), device="meta")
     return sum(torch.chunk(p, shard, dim=0)[0].numel() * p.element_size()
                for p in model.parameters())
@@ -258,9 +259,11 @@ def test_report_for_real_models_in_under_a_minute(tmp_path, name, flags, shard, 
     print(result.stdout)
     assert rows in result.stdout and "predicted peak" in result.stdout
     assert "no verdict" in result.stdout  # CPU, no --gpu-memory-gib
+    assert "param dtype bfloat16" in result.stdout  # the big presets' default (conf/precision)
     png = (tmp_path / "out" / "memory_plan.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
     data = json.loads((tmp_path / "out" / "memory_plan.json").read_text())
+    assert data["param_dtype"] == "bfloat16"
     assert data["per_rank_bytes"]["params"] == _param_bytes_per_rank(overrides, shard)
     assert data["shard"] == shard and len(data["blocks"]) == (32 if name == "llama_8b" else 80)
     assert data["per_rank_bytes"]["predicted_peak"] == data["peak_phase"]["total"]
@@ -276,7 +279,9 @@ def _apply(base: list[str], change: str) -> list[str]:
 
 @pytest.mark.slow
 def test_not_fit_advice_is_predicted_to_fit_when_applied(tmp_path) -> None:
-    base = ["model=llama_70b", *LONG, "--world-size", "8", "--gpu-memory-gib", "80"]
+    # fp32 on purpose (the preset's default is bf16): the advice must try bf16 parameters.
+    base = ["model=llama_70b", *LONG, "sharding.param_dtype=null", "sharding.reduce_dtype=null",
+            "--world-size", "8", "--gpu-memory-gib", "80"]
     result, seconds = _plan_cli([*base, "--out", str(tmp_path / "a")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "does NOT fit (needs" in result.stdout and seconds < SECONDS_LIMIT
