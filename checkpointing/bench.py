@@ -2,6 +2,7 @@
 
     python -m checkpointing.bench [--steps N] [--nproc P] [--policies a,b] [--targets none,disk]
                                   [trainer overrides ...]
+    python -m checkpointing.bench --memory-gib 0.06,0.1,0.2 train.global_batch_size=32 ...
 
 Each (policy, offload target) runs as its own `python -m trainer` (or torchrun) job with the same
 overrides. The table shows the median step time (first step excluded) and its ratio to the same
@@ -9,6 +10,11 @@ policy without offload (or to `none` for the no-offload rows), the activation by
 device, the bytes offloaded per micro-batch, the process peak memory (CUDA: max allocated; CPU:
 peak RSS) and how far it fell against no offload, and the profiled recompute time. With
 `--repeat R` every figure is the median over R interleaved rounds.
+
+With `--memory-gib`, each policy (auto among them) runs at each memory level with the micro-batch
+chosen to fit it: the table shows what was chosen, the predicted and the measured peak of live
+tensor bytes (logging.live_bytes_step), whether it stayed within the level, and the step time
+against the fastest uniform policy at the same level.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import subprocess
 import sys
 import tempfile
 
-POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
+POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")  # --policies default
 
 
 def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc: int,
-               out: str) -> list[dict]:
+               out: str, allow_no_fit: bool = False) -> list[dict] | None:
+    """The logged steps of one trainer run; None when allow_no_fit and nothing fits memory."""
     run_dir = os.path.join(out, f"{policy}-{target}")
     args = [f"checkpointing={policy}", f"offload={target}", f"train.steps={steps}",
             "logging.every=1",
@@ -39,10 +46,71 @@ def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc
     else:
         cmd = [sys.executable, "-m", "trainer", *args]
     result = subprocess.run(cmd, capture_output=True, text=True)
+    if allow_no_fit and result.returncode == 2 and "too small for" in result.stderr:
+        return None
     if result.returncode != 0:
         raise SystemExit(f"{policy} failed:\n{result.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [m for m in map(json.loads, f) if "loss" in m]
+        logged = list(map(json.loads, f))
+    decision = os.path.join(run_dir, "auto.json")
+    if os.path.exists(decision):  # what the fit predicted, beside what was measured
+        with open(decision) as f:
+            d = json.load(f)["decision"]
+        chosen = next(c for c in d["candidates"] if c["chosen"])
+        logged.append({"micro_batch": d["micro_batch"], "predicted_peak": d["peak_bytes"],
+                       "predicted_step": d["step_s"], "plan": chosen["plan"]})
+    return logged
+
+
+def memory_rows(levels: list[float], policies: list[str], overrides: list[str], steps: int,
+                nproc: int, repeat: int, out: str) -> dict[tuple[float, str], dict | None]:
+    """Each policy at each train.memory_gib, micro-batch chosen to fit (train.micro_batch_size=
+    auto); the live tensor bytes of step 2 and the median step time of the steps after it."""
+    rounds: dict[tuple[float, str], list[dict]] = {(m, p): [] for m in levels for p in policies}
+    for round in range(repeat):
+        for level in levels:
+            for policy in policies:
+                logged = run_policy(
+                    policy, "none", [f"train.memory_gib={level}", "train.micro_batch_size=auto",
+                                     "logging.live_bytes_step=2", *overrides],
+                    steps, nproc, os.path.join(out, str(round), str(level)), allow_no_fit=True)
+                if logged is None:
+                    continue
+                timed = [m for m in logged if "step_time_s" in m and m["step"] > 2]
+                fit = next(m for m in logged if "micro_batch" in m)
+                rounds[level, policy].append({
+                    "step": statistics.median(m["step_time_s"] for m in timed),
+                    "live": max(m["live_peak_bytes"] for m in logged if "live_peak_bytes" in m),
+                    **fit})
+    rows: dict[tuple[float, str], dict | None] = {}
+    for key, runs in rounds.items():
+        if not runs:
+            rows[key] = None
+            continue
+        rows[key] = {**runs[0], "step": statistics.median(r["step"] for r in runs),
+                     "live": max(r["live"] for r in runs)}
+    return rows
+
+
+def print_memory_table(rows: dict[tuple[float, str], dict | None]) -> None:
+    print("| memory GiB | policy | micro-batch | plan | predicted peak MiB | live peak MiB | "
+          "within | predicted step s | measured step s | x best uniform |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for level in dict.fromkeys(m for m, _ in rows):
+        uniform = [r["step"] for (m, p), r in rows.items()
+                   if m == level and p != "auto" and r is not None]
+        best = min(uniform) if uniform else None
+        for (m, policy), r in rows.items():
+            if m != level:
+                continue
+            if r is None:
+                print(f"| {level:g} | {policy} | - | does not fit | - | - | - | - | - | - |")
+                continue
+            within = "yes" if r["live"] <= level * 2**30 else "NO"
+            ratio = f"{r['step'] / best:.2f}" if best else "-"
+            print(f"| {level:g} | {policy} | {r['micro_batch']} | {r['plan']} | "
+                  f"{r['predicted_peak'] / 2**20:.1f} | {r['live'] / 2**20:.1f} | {within} | "
+                  f"{r['predicted_step']:.3f} | {r['step']:.3f} | {ratio} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,9 +121,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds over all rows, interleaved; figures are medians over rounds")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--targets", default="none", help="offload targets, e.g. none,disk")
+    parser.add_argument("--memory-gib", default=None,
+                        help="comma-separated train.memory_gib levels: every policy (default "
+                             "auto,none,full,selective,every_k) at each, its micro-batch chosen "
+                             "to fit (needs train.global_batch_size=...)")
     args, overrides = parser.parse_known_args(argv)
     if args.repeat < 1 or args.steps < 2:
         parser.error("--repeat must be >= 1 and --steps >= 2 (the first step is not timed)")
+    if args.memory_gib is not None:
+        if args.steps < 4:
+            parser.error("--memory-gib needs --steps >= 4 (step 2 counts live bytes; the "
+                         "steps after it are timed)")
+        levels = [float(v) for v in args.memory_gib.split(",")]
+        policies = (args.policies.split(",") if args.policies != ",".join(POLICIES)
+                    else ["auto", "none", "full", "selective", "every_k"])
+        with tempfile.TemporaryDirectory() as out:
+            rows = memory_rows(levels, policies, overrides, args.steps, args.nproc, args.repeat,
+                               out)
+        print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
+              f"nproc {args.nproc}: python -m checkpointing.bench --memory-gib {args.memory_gib} "
+              f"--steps {args.steps} --repeat {args.repeat} " + " ".join(overrides))
+        print_memory_table(rows)
+        return 0
     keys = [(p, t) for p in args.policies.split(",") for t in args.targets.split(",")]
     rounds: dict[tuple[str, str], list[dict]] = {key: [] for key in keys}
     with tempfile.TemporaryDirectory() as out:

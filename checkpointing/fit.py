@@ -19,7 +19,7 @@ from checkpointing.memory import (Estimate, ParamGroup, Setup, capacity_chain, e
                                   fixed_phases, moved_bytes)
 from checkpointing.metatrace import MetaProfile
 from checkpointing.plan import BlockPlan, make_plan
-from checkpointing.planner import InfeasibleBudget, activation_peak, plan_budget
+from checkpointing.planner import activation_peak, min_feasible_budget, plan_budget
 from checkpointing.policies import CHOICES, OffloadCost, block_options
 from checkpointing.profile import BlockProfile
 
@@ -91,21 +91,19 @@ def fit_plan(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Setup, t
     if setup.offload_min_bytes is not None:
         offload = OffloadCost(target, timing.offload_s_per_byte or 0.0, setup.offload_min_bytes,
                               keep_last)
-    blocks = block_options(profile.block_names, profiles, offload)
+    blocks = block_options(profile.block_names, profiles, offload, fold_prefetch=False)
     chain, floor = capacity_chain(fixed, profile, blocks)
-    try:
-        if floor > capacity:
-            raise InfeasibleBudget(capacity, floor)
-        picked = plan_budget(chain, capacity)
-    except InfeasibleBudget as exc:
-        raise NoFit(capacity, max(floor, exc.min_feasible_bytes)) from None
+    least = max(floor, min_feasible_budget(chain))
+    if least > capacity:
+        raise NoFit(capacity, least)
+    picked = plan_budget(chain, capacity)
     names = [blocks[i].options[index].name for i, index in enumerate(picked[1:-1])]
     plan = make_plan(list(profile.block_names), [CHOICES[n][0] for n in names], shard)
     plan = [replace(p, offload=CHOICES[n][1], target=target) if CHOICES[n][1] != "none" else p
             for p, n in zip(plan, names)]
     choice = evaluate_plan(groups, profile, setup, timing, plan)
-    # The planner's peak bounds the model's: equal without offload, above it by at most what
-    # the fetch bound (policies.block_options) over-counts with it.
+    # The planner's peak bounds the model's: equal without offload; with it, above by what the
+    # next block's largest working set over-counts (memory.capacity_chain).
     planned = max(floor, activation_peak(chain, picked))
     assert choice.peak <= planned <= capacity, (choice.peak, planned, capacity)
     return choice

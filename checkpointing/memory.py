@@ -300,17 +300,33 @@ def capacity_chain(fixed: Fixed, profile: MetaProfile,
     so each element's K absorbs its fixed part: block i must satisfy C_i + S_<i + K_i <= X while
     computing and R_i + S_<i <= X while reducing, i.e. S_<i + max(C_i + K_i, R_i) <= X. With those
     K the planner's peak is the predicted step peak (the optimizer step aside), so
-    `plan_budget(chain, X)` is the cheapest plan whose whole step fits X. `blocks`: each block's
-    options with their own activation K (checkpointing/policies.block_options).
+    `plan_budget(chain, X)` is the cheapest plan whose whole step fits X.
+
+    `blocks`: each block's options (checkpointing/policies.block_options, fold_prefetch=False).
+    An offloaded block i is all back while block i+1 runs backward (fetched one block ahead):
+    S_<i + saved_i + max(C_{i+1} + K_{i+1}, R_{i+1}), counted in the option's own K with the
+    largest K of block i+1, so it holds whatever block i+1 chooses.
     """
     before, head = profile.before_blocks_bytes, profile.head
+
+    def own(i: int, j: int) -> int:
+        computing, reducing = fixed.blocks[i]
+        return max(computing.total + blocks[i].peak_of(j), reducing.total)
+
     chain = [BlockOptions("(embedding stage)", (Option("kept", before, 0.0),),
                           fixed.embedding.total + before)]
-    for block, (computing, reducing) in zip(blocks, fixed.blocks, strict=True):
-        chain.append(BlockOptions(block.name, tuple(
-            dataclasses.replace(o, peak_bytes=max(computing.total + block.peak_of(j),
-                                                  reducing.total))
-            for j, o in enumerate(block.options)), 0))
+    for i, block in enumerate(blocks):
+        ahead = (max(own(i + 1, j) for j in range(len(blocks[i + 1].options)))
+                 if i + 1 < len(blocks) else fixed.head.total + head.saved_bytes + head.extra_bytes)
+        options = []
+        for j, option in enumerate(block.options):
+            k = own(i, j)
+            if option.name.endswith("+offload"):
+                recompute = option.name.split("+")[0]
+                full = next(o.saved_bytes for o in block.options if o.name == recompute)
+                k = max(k, full + ahead)
+            options.append(dataclasses.replace(option, peak_bytes=k))
+        chain.append(BlockOptions(block.name, tuple(options), 0))
     chain.append(BlockOptions("(head)", (Option("kept", head.saved_bytes, 0.0),),
                               fixed.head.total + head.saved_bytes + head.extra_bytes))
     return chain, fixed.optimizer.total

@@ -43,27 +43,29 @@ CHOICES = {"none": ("none", "none"), "selective": ("selective", "none"), "full":
 
 
 def block_options(names: Sequence[str], profiles: Sequence[BlockProfile],
-                  offload: Optional[OffloadCost] = None) -> list[BlockOptions]:
+                  offload: Optional[OffloadCost] = None,
+                  fold_prefetch: bool = True) -> list[BlockOptions]:
     """Each block's options with saved device bytes, added seconds and working set.
 
     Offloading costs the transfer time the block's own forward and backward cannot hide
-    (transfers run beside compute); the bytes that stay are the storages under min_bytes. While
-    a block's backward runs, the engine already brings back the block before it, so every
-    option's working set counts what that block moves at most (checkpointing/memory.py).
+    (transfers run beside compute); the bytes that stay are the storages under min_bytes.
+    While the next block's backward runs, the engine already brings an offloaded block back
+    (one block ahead), so then all it saved is on the device beside that block's working set:
+    fold_prefetch counts this in the offload option's own K, with the next block's largest
+    working set (checkpointing/memory.py's capacity_chain folds it with the phases instead).
     """
-    out, fetched = [], 0
+    out = []
     for index, (name, p) in enumerate(zip(names, profiles, strict=True)):
-        options = [Option(o, p.saved_bytes[o], p.cost_s[o], p.peak_of(o) + fetched)
-                   for o in OPTIONS]
-        fetched = 0
+        options = [Option(o, p.saved_bytes[o], p.cost_s[o], p.peak_of(o)) for o in OPTIONS]
         if offload is not None and index < len(names) - offload.keep_last:
+            ahead = (max(profiles[index + 1].peak_of(o) for o in OPTIONS)
+                     if fold_prefetch and index + 1 < len(names) else 0)
             for recompute in ("none", "full"):
                 stay = p.small_bytes(recompute, offload.min_bytes)
                 moved = p.saved_bytes[recompute] - stay
                 exposed = max(0.0, moved * offload.seconds_per_byte - p.compute_s)
                 options.append(Option(f"{recompute}+offload", stay, p.cost_s[recompute] + exposed,
-                                      options[OPTIONS.index(recompute)].peak_bytes))
-                fetched = max(fetched, moved)
+                                      max(p.peak_of(recompute), p.saved_bytes[recompute] + ahead)))
         out.append(BlockOptions(name=name, peak_bytes=p.peak_bytes, options=tuple(options)))
     return out
 

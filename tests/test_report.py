@@ -24,7 +24,7 @@ from checkpointing.wrap import resolve_ops
 from trainer.distenv import init_distributed, read_env, shutdown
 from tests.dist import spawn
 from tests.helpers import REPO, config, subprocess_env
-from tests.live_bytes import LiveTensorBytes, tensors_of
+from trainer.livebytes import LiveTensorBytes, tensors_of
 from trainer.build import build_llama_on_meta, build_model, find_model_blocks, llama_args
 from trainer.cli import check
 from trainer.config import DEFAULT_SAVE_OPS

@@ -59,6 +59,11 @@ class Decision:
 Timer = Callable[[Config, Scenario, Evaluator], tuple[Timing, Optional[list[BlockProfile]]]]
 
 
+def gib(nbytes: int) -> str:
+    """Bytes as GiB with three significant digits (0.0372 GiB, 1.25 GiB, 164 GiB)."""
+    return f"{nbytes / GIB:.3g} GiB"
+
+
 def fitting(cfg: Config) -> bool:
     return cfg.checkpointing.policy == "auto" or cfg.train.micro_batch_size == "auto"
 
@@ -174,8 +179,8 @@ def no_fit_message(cfg: Config, scenario: Scenario, evaluator: Evaluator, capaci
             else f"checkpointing={cfg.checkpointing.policy}")
     assert least is not None
     smallest = min(r.micro_batch for r in rows)
-    text = (f"{capacity / GIB:.2f} GiB per rank is too small for {what}: the least that fits is "
-            f"{least[0] / GIB:.2f} GiB (micro-batch {least[1]})")
+    text = (f"{gib(capacity)} per rank is too small for {what}: the least that fits is "
+            f"{gib(least[0])} (micro-batch {least[1]})")
     others = alternatives(cfg, at_micro_batch(scenario, smallest), evaluator, capacity)
     if others:
         text += "; it would fit with " + " or ".join(others)
@@ -223,7 +228,7 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
         except ConfigError:
             peak = None
         if peak is not None:
-            found.append(f"{text} ({peak / GIB:.2f} GiB)")
+            found.append(f"{text} ({gib(peak)})")
             ranks_found = ranks_found or text.endswith("ranks")
     return found
 

@@ -66,13 +66,20 @@ def output_dir(args: argparse.Namespace, cfg) -> str:
     return os.path.join(cfg.train.out_dir, run_id(cfg.train.run_name, os.environ))
 
 
-def capacity_bytes(args: argparse.Namespace) -> Optional[int]:
+def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
+    from trainer.autofit import fitting
+
+    """--gpu-memory-gib, else train.memory_gib, else the visible CUDA device (less
+    train.memory_reserve_gib when fitting, as the trainer does)."""
     if args.gpu_memory_gib is not None:
         return int(args.gpu_memory_gib * GIB)
+    if cfg.train.memory_gib is not None:
+        return int(cfg.train.memory_gib * GIB)
     import torch
 
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
+        reserve = int(cfg.train.memory_reserve_gib * GIB) if fitting(cfg) else 0
+        return torch.cuda.get_device_properties(0).total_memory - reserve
     return None
 
 
@@ -180,8 +187,9 @@ def not_modeled(cfg) -> list[str]:
     """Settings the memory model does not follow yet; the prediction is then an upper bound."""
     notes = []
     if cfg.offload.target != "none":
-        notes.append(f"offload.target={cfg.offload.target} is not modeled: activations are "
-                     "counted as if they stayed on the GPU (an upper bound)")
+        notes.append(f"offload={cfg.offload.target}: offloaded blocks keep only their storages "
+                     f"under offload.min_bytes on the device; the block fetched ahead in backward "
+                     "is counted; the offload engine's own buffers are not")
     if cfg.train.compile:
         notes.append("train.compile=true is not modeled: compiled blocks may keep other "
                      "tensors than the eager ones measured here")
@@ -227,18 +235,39 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from trainer.advice import suggest
     from trainer.plot import plot_plan
     from checkpointing.policies import BudgetError
-    from trainer.scenario import Evaluator, Scenario
+    from trainer.autofit import (at_micro_batch, decide, fitting, flop_timing,
+                                 rows as fit_rows, table as fit_table)
+    from trainer.scenario import Evaluator, Scenario, device_type_of
 
-    # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary).
-    evaluator = Evaluator(args.tflops, optimizer_foreach=cfg.train.device != "cpu")
+    # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary),
+    # unless the run is for the CPU (train.device=cpu).
+    evaluator = Evaluator(args.tflops, optimizer_foreach=cfg.train.device != "cpu",
+                          device_type=device_type_of(cfg))
     scenario = Scenario(cfg, layout, args.world_size // args.nodes)
+    capacity = capacity_bytes(args, cfg)
+    decision = None
     try:
-        outcome = evaluator.evaluate(scenario)
+        if fitting(cfg):  # what the trainer's auto would choose, timed by FLOPs here
+            if capacity is None:
+                raise ConfigError("--gpu-memory-gib", "checkpointing=auto and "
+                                  "train.micro_batch_size=auto fit a memory size: pass "
+                                  "--gpu-memory-gib or train.memory_gib (no CUDA device here)")
+            decision = decide(cfg, scenario, evaluator, capacity, flop_timing(evaluator))
+            scenario = at_micro_batch(scenario, decision.micro_batch)
+            outcome = evaluator.evaluate(scenario, decision.plan)
+        else:
+            outcome = evaluator.evaluate(scenario)
     except BudgetError as exc:  # the trainer refuses this budget the same way
         report(ConfigError("checkpointing.budget", str(exc)), {})
         sys.exit(2)
-    capacity = capacity_bytes(args)
+    except ConfigError as exc:  # an impossible train.memory_gib, or a plan file that is wrong
+        report(exc, {})
+        sys.exit(2)
     peak = outcome.estimate.peak.total
+    if decision is not None:
+        print(f"auto: micro-batch {decision.micro_batch} (grad_accum {decision.grad_accum}), "
+              f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
+              "its device); candidates:\n" + fit_table(decision) + "\n")
     print(table(outcome, args.tflops))
     print(verdict(peak, capacity))
     advice = []
@@ -252,7 +281,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "verdict": verdict(peak, capacity), "tflops": args.tflops, **summary(outcome),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
-                            for s in advice]}
+                            for s in advice],
+            "auto": None if decision is None else {
+                "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
+                "predicted_step_s": decision.step_s, "candidates": fit_rows(decision)}}
     with open(os.path.join(out, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)

@@ -15,8 +15,8 @@ import torch
 
 from checkpointing.memory import Estimate, ParamGroup, Setup, estimate, param_groups
 from checkpointing.metatrace import MetaProfile, cast_like_fsdp, profile_on_meta
-from checkpointing.plan import BlockPlan
-from checkpointing.policies import Budget, choose_plan, resolve_budget
+from checkpointing.plan import BlockPlan, with_offload
+from checkpointing.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
@@ -83,7 +83,9 @@ def setup_of(scenario: Scenario, orig_dtype: torch.dtype, optimizer_foreach: boo
 def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockProfile]:
     """The planner's inputs as the trainer builds them, with recompute time from FLOPs."""
     return [BlockProfile(saved_bytes=dict(m.saved_bytes),
-                         cost_s={o: f * seconds_per_flop for o, f in m.recompute_flops.items()})
+                         cost_s={o: f * seconds_per_flop for o, f in m.recompute_flops.items()},
+                         compute_s=3 * m.forward_flops * seconds_per_flop,
+                         storage_sizes=dict(m.storage_sizes), working_bytes=dict(m.peak_bytes))
             for m in profile.blocks]
 
 
@@ -92,11 +94,26 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
     """The trainer's plan for this config (policies.choose_plan); raises BudgetError."""
     c = scenario.cfg.checkpointing
     shard = scenario.cfg.sharding.mode != "none"
+    names, o = list(profile.block_names), scenario.cfg.offload
+    if c.policy == "file":
+        from trainer.planfile import read_plan
+
+        return read_plan(c.plan_file, names, shard), None
+    assert c.policy != "auto", "checkpointing=auto plans through trainer/autofit.py"
     profiles = block_profiles(profile, seconds_per_flop)
-    budget = (resolve_budget(c.budget, profiles, profile.rest_bytes)
-              if c.policy == "budget" else None)
-    plan = choose_plan(c.policy, list(profile.block_names), shard, c.every, profiles,
-                       profile.rest_bytes, budget)
+    budget, offload = None, None
+    if c.policy == "budget":
+        budget = resolve_budget(c.budget, profiles, profile.rest_bytes)
+        if o.target == "disk" or (o.target == "cpu" and device_type_of(scenario.cfg) == "cuda"):
+            # Not measured here: a nominal rate (trainer/autofit.py), as the trainer would measure.
+            from trainer.autofit import NOMINAL_SECONDS_PER_BYTE
+
+            offload = OffloadCost(o.target, NOMINAL_SECONDS_PER_BYTE[o.target], o.min_bytes,
+                                  o.keep_last)
+    plan = choose_plan(c.policy, names, shard, c.every, profiles, profile.rest_bytes, budget,
+                       offload)
+    if c.policy != "budget":  # as trainer/build.py does
+        plan = with_offload(plan, o.target, o.keep_last)
     return plan, budget
 
 
