@@ -48,6 +48,11 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
             overrides.append("model=vit_tiny")
         if (group, option) == ("model", "hf"):  # needs a model: one built from a config
             overrides.append("model.hf_config={model_type: llama, num_hidden_layers: 2}")
+        if (group, option) == ("checkpointing", "file"):  # needs a plan.json
+            (tmp_path / "plan.json").write_text("[]")
+            overrides.append(f"checkpointing.plan_file={tmp_path / 'plan.json'}")
+        if (group, option) == ("checkpointing", "auto"):  # no default memory off a GPU
+            overrides.append("train.memory_gib=2")
         cfg, layout = check(overrides, env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
         assert getattr(cfg, group) is not None and layout.world_size == 2
         if group == "model":
@@ -72,11 +77,11 @@ def test_config_keys_are_frozen() -> None:
         "train.global_batch_size", "train.eval_every", "train.eval_batches", "train.run_name",
         "train.out_dir", "train.device", "train.compile", "train.compile_backend",
         "train.dist_timeout_s",
-        "train.stop_at_step",
+        "train.stop_at_step", "train.memory_gib", "train.memory_reserve_gib",
         "sharding.mode", "sharding.replicate", "sharding.reshard_after_forward",
         "sharding.param_dtype", "sharding.reduce_dtype", "sharding.cpu_offload",
         "checkpointing.policy", "checkpointing.every", "checkpointing.save_ops",
-        "checkpointing.budget", "checkpointing.profile_repeats",
+        "checkpointing.budget", "checkpointing.profile_repeats", "checkpointing.plan_file",
         "offload.target", "offload.min_bytes", "offload.keep_last", "offload.max_host_bytes",
         "offload.dir", "offload.max_inflight_bytes", "offload.trim_heap",
         "save.every", "save.keep", "save.async_save", "save.at_end", "save.resume", "save.dir",
@@ -85,7 +90,7 @@ def test_config_keys_are_frozen() -> None:
         "faults.spike_window", "faults.max_rollbacks", "faults.inject_nan_at",
         "faults.inject_spike_at", "faults.inject_hang_at",
         "logging.every", "logging.progress", "logging.wandb", "logging.wandb_project",
-        "logging.wandb_entity", "logging.wandb_init_timeout_s",
+        "logging.wandb_entity", "logging.wandb_init_timeout_s", "logging.live_bytes_step",
     }
 
 

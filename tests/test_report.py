@@ -52,7 +52,7 @@ VIT = ["model=vit_tiny", "model.image_size=256", "model.dim=64", "model.n_heads=
        "model.ffn_hidden=256", "model.n_layers=4", "train.micro_batch_size=4",
        "checkpointing.profile_repeats=1"]
 POLICIES = [["checkpointing=none"], ["checkpointing=full"], ["checkpointing=selective"],
-            ["checkpointing=budget", "checkpointing.budget=0.45"]]
+            ["checkpointing=budget", "checkpointing.budget=0.55"]]
 # Measured agreement on CPU is within 0.3% (activations) and 0.7% (peak); these leave room for
 # small changes in torch internals without hiding a missing term.
 ACTIVATION_TOLERANCE = 0.02
