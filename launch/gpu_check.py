@@ -89,6 +89,8 @@ ROWS = {
     "full + offload=cpu": ["checkpointing=full", "offload=cpu"],
     "none": ["checkpointing=none"],
     "budget": ["checkpointing=budget"],
+    # The fastest plan predicted to fit the device less train.memory_reserve_gib (issue 14).
+    "auto": ["checkpointing=auto"],
     "full + sharding.cpu_offload": ["checkpointing=full", "sharding.cpu_offload=true"],
     # Every block compiles on its own (issue 15 is about compiling each shape once): slowest.
     "selective + compile": ["checkpointing=selective", "train.compile=true"],
@@ -240,7 +242,11 @@ def stage_fit(check: Check, cap: float) -> dict:
 
 def row_overrides(check: Check, name: str, micro_batch: int, seq_len: int) -> list[str]:
     m = check.mode
-    return [*common_overrides(m), *ROWS[name], f"data.seq_len={seq_len}",
+    fit = check.result["stages"].get("fit", {})
+    # auto: on a GPU it fits the device less train.memory_reserve_gib; the CPU has no default.
+    memory = ([f"train.memory_gib={fit['capacity'] / 2 ** 30:.6f}"]
+              if "checkpointing=auto" in ROWS[name] and m.device == "cpu" else [])
+    return [*common_overrides(m), *ROWS[name], *memory, f"data.seq_len={seq_len}",
             f"train.micro_batch_size={micro_batch}", f"train.steps={m.steps}", "logging.every=1",
             "logging.wandb=false", "logging.progress=false", f"train.eval_every={m.steps}",
             "train.eval_batches=1", "save.at_end=false", "save.every=0", "save.resume=false"]

@@ -152,6 +152,9 @@ def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Se
     found["row_micro_batch"], found["row_predicted_peak"] = {}, {}
     for name, extra in rows.items():
         micro_batch = found["micro_batch"]
+        if "checkpointing=auto" in extra:  # fits itself (train.memory_gib: the device less reserve)
+            found["row_micro_batch"][name] = micro_batch
+            continue
         while True:
             peak = evaluator.evaluate(_scenario(
                 [*overrides, *extra, f"data.seq_len={found['seq_len']}",
@@ -190,24 +193,20 @@ def predict_stage(device: str, rows: Sequence[dict]) -> dict:
     """The report's predicted peak for each benchmarked configuration, with the plan the
     trainer actually carried out (its plan.json) where there is one: the budget planner's
     choice on the device can differ from the one the report derives from FLOPs."""
-    from checkpointing.memory import estimate
     from checkpointing.plan import BlockPlan
-    from trainer.scenario import setup_of
 
     evaluator = _evaluator(device)
     out = {}
     for row in rows:
         try:
             scenario = _scenario(row["overrides"])
-            outcome = evaluator.evaluate(scenario)
-            plan, source = outcome.plan, "report"
+            plan, source = None, "report"
             plan_path = row.get("plan_json")
             if plan_path and os.path.exists(plan_path):
                 with open(plan_path) as f:
                     plan, source = [BlockPlan(**p) for p in json.load(f)], "trainer plan.json"
-            _, groups, orig_dtype = evaluator.profile(scenario.cfg)
-            est = estimate(groups, outcome.profile, plan,
-                           setup_of(scenario, orig_dtype, evaluator.optimizer_foreach))
+            outcome = evaluator.evaluate(scenario, plan)
+            est = outcome.estimate
             out[row["name"]] = {"predicted_peak": est.peak.total, "phase": est.peak.name,
                                 "activation_peak": est.activation_peak, "plan_from": source,
                                 # kept outside the blocks (embedding, final norm, loss head)

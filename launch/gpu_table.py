@@ -52,6 +52,8 @@ def trainer_figures(metrics_path: str, warmup: int) -> dict:
         "peak_mem_bytes": max(m["peak_mem_bytes"] for m in logged),
         "peak_reserved_bytes": max((m.get("peak_reserved_bytes") or 0 for m in logged),
                                    default=0) or None,
+        "device_used_bytes": max((m.get("device_used_bytes") or 0 for m in logged),
+                                 default=0) or None,
         "act_saved_bytes": max(m["act_saved_bytes"] for m in logged),
         "offloaded_bytes": max((m.get("offloaded_bytes", 0) for m in logged), default=0),
         "losses": [m["loss"] for m in logged],
@@ -118,6 +120,24 @@ def targets(result: dict) -> list[tuple[str, Optional[bool], str]]:
         out.append(("G2: full + offload=cpu <= 3% slower than full, <= 2 block inputs on device",
                     slower <= 0.03 and inputs_kept <= 2,
                     f"{slower:+.1%} step time, {inputs_kept:.2f} block inputs kept"))
+    beyond = {n: r["device_used_bytes"] - r["peak_mem_bytes"] for n, r in rows.items()
+              if r.get("ok") and r.get("device_used_bytes") and not n.startswith("ref:")}
+    if beyond:  # what train.memory_reserve_gib (default 4 GiB) must cover besides tensors
+        worst = max(beyond, key=beyond.get)
+        out.append(("train.memory_reserve_gib default (4 GiB) covers device used - max allocated",
+                    beyond[worst] <= 4 * 2 ** 30,
+                    f"largest {beyond[worst] / 2 ** 30:.2f} GiB ({worst}); CUDA context, NCCL, "
+                    "allocator cache"))
+    auto = rows.get("auto", {})
+    if auto.get("ok") and result.get("mode") == "gpu":
+        uniform = {n: rows[n]["tokens_per_s"] for n in ("none", "full", "selective")
+                   if rows.get(n, {}).get("ok")}
+        if uniform:
+            best = max(uniform, key=uniform.get)
+            out.append(("auto at least as fast as the fastest uniform policy that ran",
+                        auto["tokens_per_s"] >= 0.98 * uniform[best],
+                        f"auto {auto['tokens_per_s']:,.0f} tokens/s, {best} "
+                        f"{uniform[best]:,.0f}"))
     ratios = {n: p["ratio"] for n, p in predicted.items() if "ratio" in p}
     if ratios and result.get("mode") == "gpu":
         worst = max(ratios, key=lambda n: abs(ratios[n] - 1))

@@ -37,8 +37,8 @@ from trainer.prefetch import Prefetcher
 from trainer.task import Task, build_task_datasets, task_for
 from trainer.faults import (CollectiveFailure, FaultLimit, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
-from trainer.metrics import (RunLogger, peak_flops, peak_memory_bytes, peak_reserved_bytes,
-                             run_summary)
+from trainer.metrics import (RunLogger, device_used_bytes, peak_flops, peak_memory_bytes,
+                             peak_reserved_bytes, run_summary)
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from trainer.ownership import RunDirBusy, RunLock, set_aside
 from trainer.resume import Progress, resume, rollback, train_state
@@ -325,6 +325,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                 metrics["offloaded_bytes"] = built.offloader.stats.offloaded_bytes
             if device.type == "cuda":
                 metrics["peak_reserved_bytes"] = peak_reserved_bytes(device)
+                metrics["device_used_bytes"] = device_used_bytes(device)
             if peak is not None:
                 metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
             logger.record(metrics, wandb_step=progress.batch_index)

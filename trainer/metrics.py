@@ -53,6 +53,15 @@ def peak_reserved_bytes(device: torch.device) -> Optional[int]:
     return None
 
 
+def device_used_bytes(device: torch.device) -> Optional[int]:
+    """CUDA: what the whole device has in use now (this process's allocator and context, NCCL,
+    and any other process): what train.memory_reserve_gib must leave room for beyond tensors."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total - free)
+    return None
+
+
 class RunLogger:
     def __init__(self, run_dir: Optional[str], total_steps: int, progress: bool,
                  wandb_run=None, first_step: int = 0):
