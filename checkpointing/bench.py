@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,9 +34,14 @@ POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")  # --polic
 
 
 def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc: int,
-               out: str, allow_no_fit: bool = False) -> list[dict] | None:
-    """The logged steps of one trainer run; None when allow_no_fit and nothing fits memory."""
+               out: str, allow_no_fit: bool = False,
+               decision: str | None = None) -> list[dict] | None:
+    """The logged steps of one trainer run; None when allow_no_fit and nothing fits memory.
+    decision: an auto.json to start from (the trainer reuses it instead of timing again)."""
     run_dir = os.path.join(out, f"{policy}-{target}")
+    if decision is not None:
+        os.makedirs(run_dir, exist_ok=True)
+        shutil.copy(decision, os.path.join(run_dir, "auto.json"))
     args = [f"checkpointing={policy}", f"offload={target}", f"train.steps={steps}",
             "logging.every=1",
             "logging.wandb=false", "logging.progress=false", f"train.eval_every={steps}",
@@ -65,15 +71,19 @@ def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc
 def memory_rows(levels: list[float], policies: list[str], overrides: list[str], steps: int,
                 nproc: int, repeat: int, out: str) -> dict[tuple[float, str], dict | None]:
     """Each policy at each train.memory_gib, micro-batch chosen to fit (train.micro_batch_size=
-    auto); the live tensor bytes of step 2 and the median step time of the steps after it."""
+    auto); the live tensor bytes of step 2 and the median step time of the steps after it.
+    The first round decides; later rounds carry out the same decision (its auto.json), so every
+    round measures the same micro-batch and plan."""
     rounds: dict[tuple[float, str], list[dict]] = {(m, p): [] for m in levels for p in policies}
     for round in range(repeat):
         for level in levels:
             for policy in policies:
+                first = os.path.join(out, "0", str(level), f"{policy}-none", "auto.json")
                 logged = run_policy(
                     policy, "none", [f"train.memory_gib={level}", "train.micro_batch_size=auto",
                                      "logging.live_bytes_step=2", *overrides],
-                    steps, nproc, os.path.join(out, str(round), str(level)), allow_no_fit=True)
+                    steps, nproc, os.path.join(out, str(round), str(level)), allow_no_fit=True,
+                    decision=first if round and os.path.exists(first) else None)
                 if logged is None:
                     continue
                 timed = [m for m in logged if "step_time_s" in m and m["step"] > 2]

@@ -194,3 +194,30 @@ def test_the_report_shows_what_auto_would_choose(tmp_path) -> None:
     assert data["micro_batch_size"] == auto["micro_batch_size"]
     assert data["per_rank_bytes"]["predicted_peak"] <= 0.06 * 2 ** 30
     assert sum(c["chosen"] for c in auto["candidates"]) == 1
+
+
+@pytest.mark.parametrize("step_s,expected", [
+    ({16: 1.00, 8: 0.99, 4: 0.98, 2: 0.95, 1: 0.97}, 16),  # all within 10% of the fastest
+    ({16: 1.30, 8: 1.20, 4: 1.12, 2: 1.00, 1: 1.05}, 2),   # 2 is fastest, 4 is 12% slower
+    ({16: 1.00, 8: 1.50, 4: 1.50, 2: 1.50, 1: 1.50}, 16),
+])
+def test_the_largest_micro_batch_within_the_margin_of_the_fastest_wins(step_s, expected) -> None:
+    """Predicted step times set per micro-batch: the largest micro-batch within
+    MICRO_BATCH_MARGIN (10%) of the fastest is taken."""
+    from trainer.autofit import MICRO_BATCH_MARGIN, decide
+
+    assert MICRO_BATCH_MARGIN == 0.10
+    cfg, layout = check([*SMALL, "train.micro_batch_size=auto", "train.global_batch_size=16",
+                         "checkpointing=none", "train.memory_gib=100"], {})
+    evaluator = Evaluator(400, optimizer_foreach=False, device_type="cpu")
+
+    def timer(at_cfg, scenario, ev):
+        n = len(ev.profile(at_cfg)[0].blocks)
+        m = at_cfg.train.micro_batch_size
+        per_block = step_s[m] / (16 // m) / n  # grad_accum x blocks adds up to step_s[m]
+        return Timing(tuple({o: 0.0 for o in OPTIONS} for _ in range(n)),
+                      tuple(per_block for _ in range(n)), 0.0), None
+
+    decision = decide(cfg, Scenario(cfg, layout, 1), evaluator, 100 * 2 ** 30, timer)
+    assert decision.micro_batch == expected, decision.candidates
+    assert decision.step_s == pytest.approx(step_s[expected])
