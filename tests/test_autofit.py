@@ -173,6 +173,7 @@ def test_too_little_memory_is_one_line_naming_the_least_and_what_else_fits(tmp_p
     assert lines[0].startswith("error: train.memory_gib: 0.005 GiB per rank is too small")
     assert "the least that fits is" in lines[0] and "(micro-batch 1)" in lines[0]
     assert "ranks (" in lines[0]  # sharding over more ranks is named, with its least
+    assert not run_dir.exists()  # refused before the run directory was made
 
 
 def test_the_report_shows_what_auto_would_choose(tmp_path) -> None:

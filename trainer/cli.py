@@ -186,10 +186,11 @@ def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
     try:
         jobs = expand_sweep(overrides) if any(a in _MULTIRUN_FLAGS for a in argv) else [overrides]
         for job in jobs:
-            cfg, _ = check(job, env)
+            cfg, layout = check(job, env)
             from trainer.precheck import deep_check  # may import torch: after the quick checks
 
-            deep_check(cfg)
+            _, world, nodes = world_from_env(env)
+            deep_check(cfg, layout, max(1, world // nodes))
     except ConfigError as exc:
         report(exc, env)
         return USAGE_ERROR

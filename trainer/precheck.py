@@ -39,13 +39,15 @@ def as_config_error(exc: Exception, fallback: str = "config") -> ConfigError:
     return ConfigError(key or fallback, message)
 
 
-def deep_check(cfg: Config) -> None:
+def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
     """Raises ConfigError for the mistakes above; see the module docstring."""
     try:
         _save_ops(cfg)
         _hf_model_type(cfg)
         _blocks(cfg)
         _token_files(cfg)
+        if layout is not None:
+            _memory(cfg, layout, gpus_per_node)
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -82,6 +84,27 @@ def _hf_model_type(cfg: Config) -> None:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(key, f"{where}model_type {model_type!r} has no causal language model "
                           "in transformers (model=hf trains AutoModelForCausalLM)")
+
+
+def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
+    """checkpointing=auto or micro_batch_size=auto with a train.memory_gib that not even the
+    smallest micro-batch fits: the trainer's own one line, before anything starts. The memory
+    model alone decides this (no timing), at the smallest candidate (the least memory)."""
+    from trainer.autofit import GIB, at_micro_batch, decide, fitting, flop_timing, micro_batches
+
+    if not fitting(cfg) or cfg.train.memory_gib is None:
+        return
+    import torch
+
+    from trainer.scenario import Evaluator, Scenario
+
+    cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto"
+                                        and not torch.cuda.is_available())
+    evaluator = Evaluator(1.0, optimizer_foreach=not cpu, device_type="cpu" if cpu else "cuda")
+    scenario = Scenario(cfg, layout, gpus_per_node)
+    smallest = at_micro_batch(scenario, micro_batches(cfg, layout)[-1])
+    decide(smallest.cfg, smallest, evaluator, int(cfg.train.memory_gib * GIB),
+           flop_timing(evaluator))
 
 
 def _blocks(cfg: Config) -> None:
