@@ -63,3 +63,12 @@ def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list
     tensors += [v for state in optimizer.state.values() for v in state.values()
                 if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def step_tracker(on: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 micro_batches: list) -> "LiveTensorBytes | None":
+    """logging.live_bytes_step: a tracker for this training step (what lives across steps and
+    the step's batch count from the start), else None."""
+    if not on:
+        return None
+    return LiveTensorBytes(tensors_of(model, optimizer) + [x for b in micro_batches for x in b])

@@ -31,6 +31,7 @@ from trainer.fitrun import DECISION_FILE as FIT_FILE, fit_run
 from trainer.config import Config
 from trainer.validate import Layout
 from trainer.hf_settings import model_vocab_size
+from trainer.livebytes import step_tracker
 from trainer.data import train_batch, val_batches
 from trainer.model import lm_loss
 from trainer.prefetch import Prefetcher
@@ -292,7 +293,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                                 f.inject_spike_at, f.inject_hang_at, 2.0 * t.dist_timeout_s,
                                 denv.rank, denv.world_size)
         lr = scheduler.get_last_lr()[0]
-        live = _live_bytes(step == cfg.logging.live_bytes_step, model, optimizer, micro_batches)
+        live = step_tracker(step == cfg.logging.live_bytes_step, model, optimizer, micro_batches)
         with _collectives(denv.rank, f"step {step} (forward, backward, gradient reduction)",
                           t.dist_timeout_s), live or contextlib.nullcontext():
             loss, grad_norm, verdict = train_step(model, optimizer, scheduler, micro_batches,
@@ -360,16 +361,6 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     summary()
     logger.close()
     return 0
-
-
-def _live_bytes(on: bool, model: nn.Module, optimizer: torch.optim.Optimizer,
-                micro_batches: list[Batch]):
-    """logging.live_bytes_step: a tracker of live tensor bytes for this step, else None."""
-    if not on:
-        return None
-    from trainer.livebytes import LiveTensorBytes, tensors_of
-
-    return LiveTensorBytes(tensors_of(model, optimizer) + [x for b in micro_batches for x in b])
 
 
 def _bad_step(verdict: Verdict, step: int, progress: Progress, checkpointer: Checkpointer,
