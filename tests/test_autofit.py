@@ -17,7 +17,8 @@ from checkpointing.plan import BlockPlan, make_plan
 from checkpointing.planner import activation_peak
 from checkpointing.policies import block_options
 from checkpointing.profile import BlockProfile
-from tests.helpers import QUICK, check_ok, losses, read_metrics, run_trainer
+from tests.helpers import (QUICK, check_ok, losses, read_metrics, read_wandb_records,
+                           run_trainer)
 from trainer.cli import check
 from trainer.config import ConfigError
 from trainer.scenario import Evaluator, Scenario
@@ -157,10 +158,16 @@ def test_a_restart_keeps_the_first_decision(tmp_path) -> None:
     run_dir, result = _auto_run(tmp_path, "run", [*extra, "train.stop_at_step=2"])
     assert result.returncode == 75, result.stderr[-2000:]
     first = json.loads((run_dir / "auto.json").read_text())
-    run_dir, result = _auto_run(tmp_path, "run", extra)
+    run_dir, result = _auto_run(tmp_path, "run", [*extra, "logging.wandb=true"])
     check_ok(result)
     assert "as decided at the first start" in (run_dir / "train.log").read_text()
     assert json.loads((run_dir / "auto.json").read_text()) == first
+    # the candidates reach W&B as a table (the offline run's history holds its reference)
+    runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    keys = {item.key or "/".join(item.nested_key) for record in read_wandb_records(runs[0])
+            if record.WhichOneof("record_type") == "history" for item in record.history.item}
+    assert {"auto_candidates/_type", "plan/_type"} <= keys, keys  # both logged as tables
 
 
 def test_too_little_memory_is_one_line_naming_the_least_and_what_else_fits(tmp_path) -> None:
