@@ -5,15 +5,13 @@
     python -m launch.gpu_check --cpu-smoke --out OUT         # the same stages, tiny, on CPU
 
 Stages, in order, each in its own process with its own time cap, so a failing or overrunning
-stage is recorded and the next one still runs: `env` (host, torch and every torch API the
-project uses), `cuda_tests` (the CUDA-marked tests), `parity` (every recompute policy x offload
-none/cpu against `none`, 4 steps), `fit` (the largest micro-batch that fits under `full`, from
-the memory model), `bench` (llama_1b shapes in bf16: the policy matrix through the real trainer,
-and the same model as a plain-PyTorch script, launch/gpu_reference.py), `torchtitan` (a second
-reference when it is installed) and `predict` (the report's predicted peak per benchmarked row
-against the measured high-water mark). Results go to OUT/gpu_check.json after every stage and
-OUT/gpu_check.md at the end. This file imports only the standard library: a broken torch or a
-missing package shows up as a failed stage, not as a traceback before anything ran.
+stage is recorded and the next one still runs: `env`, `cuda_tests`, `parity` (every recompute
+policy x offload none/cpu against `none`), `fit` (the largest micro-batch under `full`, from the
+memory model), `bench` (llama_1b in bf16 through the real trainer, and as the plain-PyTorch
+launch/gpu_reference.py), `torchtitan` and `predict` (the report's peak per row against the
+measured high-water mark); README's "GPU check" has the details. Results go to
+OUT/gpu_check.json after every stage and OUT/gpu_check.md at the end. Standard library only: a
+broken torch or a missing package is a failed stage, not a traceback before anything ran.
 """
 
 from __future__ import annotations
@@ -106,9 +104,8 @@ class Check:
                  budget_s: float = float("inf")) -> None:
         self.mode, self.out, self.work, self.env = mode, out, work, env
         self.deadline = time.monotonic() + budget_s  # no stage starts or runs past it
-        self.result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                             "mode": "cpu-smoke" if mode.device == "cpu" else "gpu",
-                             "stages": {}, "seconds": {}}
+        self.result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "stages": {},
+                             "mode": "cpu-smoke" if mode.device == "cpu" else "gpu", "seconds": {}}
         os.makedirs(out, exist_ok=True)
         for folder in ("parity", "bench"):  # a run directory's metrics.jsonl is appended to
             shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
@@ -242,9 +239,8 @@ def stage_fit(check: Check, cap: float) -> dict:
 
 def row_overrides(check: Check, name: str, micro_batch: int, seq_len: int) -> list[str]:
     m = check.mode
-    fit = check.result["stages"].get("fit", {})
     # auto: on a GPU it fits the device less train.memory_reserve_gib; the CPU has no default.
-    memory = ([f"train.memory_gib={fit['capacity'] / 2 ** 30:.6f}"]
+    memory = ([f"train.memory_gib={check.result['stages']['fit']['capacity'] / 2 ** 30:.6f}"]
               if "checkpointing=auto" in ROWS[name] and m.device == "cpu" else [])
     return [*common_overrides(m), *ROWS[name], *memory, f"data.seq_len={seq_len}",
             f"train.micro_batch_size={micro_batch}", f"train.steps={m.steps}", "logging.every=1",

@@ -127,7 +127,7 @@ def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
     policy = cfg.checkpointing.policy
     rows: list[Candidate] = []
     timed: list[tuple[Choice, int, int, Optional[list[BlockProfile]]]] = []
-    least: Optional[tuple[int, int, str]] = None  # (bytes, micro-batch, plan) when none fits
+    least: Optional[tuple[int, int]] = None  # (bytes, micro-batch) when none fits
     for micro_batch in micro_batches(cfg, scenario.layout):
         at = at_micro_batch(scenario, micro_batch)
         profile, groups, _ = evaluator.profile(at.cfg)
@@ -142,7 +142,7 @@ def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
             rows.append(Candidate(micro_batch, accum, policy, "no plan fits", exc.least, None,
                                   False))
             if least is None or exc.least < least[0]:
-                least = (exc.least, micro_batch, "the least-memory plan")
+                least = (exc.least, micro_batch)
             continue
         timing, profiles = timer(at.cfg, at, evaluator)
         choice = _choose(at.cfg, policy, groups, profile, setup, timing, capacity)
@@ -181,10 +181,9 @@ def _choose(cfg: Config, policy: str, groups, profile, setup, timing: Timing,
 
 
 def no_fit_message(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
-                   least: Optional[tuple[int, int, str]], rows: Sequence[Candidate]) -> str:
+                   least: Optional[tuple[int, int]], rows: Sequence[Candidate]) -> str:
     """One line: the capacity, the least that works, and what else would make it fit."""
-    what = ("checkpointing=auto" if cfg.checkpointing.policy == "auto"
-            else f"checkpointing={cfg.checkpointing.policy}")
+    what = f"checkpointing={cfg.checkpointing.policy}"
     assert least is not None
     smallest = min(r.micro_batch for r in rows)
     text = (f"{gib(capacity)} per rank is too small for {what}: the least that fits is "
@@ -210,8 +209,6 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
                             changed.cfg.offload.target).peak
         except NoFit:
             return None
-        except ConfigError:  # the trainer would refuse this change
-            return None
 
     tries = []
     if s.mode != "none" and evaluator.device_type == "cuda" and not s.cpu_offload:
@@ -233,7 +230,7 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
             continue
         try:
             peak = least(make())
-        except ConfigError:
+        except ConfigError:  # the trainer would refuse this change
             peak = None
         if peak is not None:
             found.append(f"{text} ({gib(peak)})")
