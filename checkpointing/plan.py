@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Literal, Optional, Sequence
 
-Recompute = Literal["none", "full", "selective"]
+Recompute = Literal["none", "full", "selective", "compiler"]
 Offload = Literal["none", "inputs", "all"]
 Target = Literal["cpu", "disk"]
 
@@ -25,9 +25,12 @@ class BlockPlan:
     offload: Offload = "none"
     target: Target = "cpu"
     shard: bool = True
+    # recompute="compiler": torch.compile's partitioner chooses what to keep, under this
+    # activation_memory_budget (0: keep only the block's inputs, 1: its default choice).
+    memory_budget: Optional[float] = None
 
 
-POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
+POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget", "compiler")
 
 # Ops whose outputs selective checkpointing keeps by default (aten names, resolved to ops in
 # checkpointing/wrap.py): matmuls and attention, the work that is expensive to redo. Everything
@@ -82,7 +85,8 @@ def with_offload(plan: Sequence[BlockPlan], target: str, keep_last: int) -> list
     if target == "none":
         return list(plan)
     cut = len(plan) - keep_last
-    return [replace(p, offload=("inputs" if p.recompute != "none" else "all"), target=target)
+    return [replace(p, offload=("all" if p.recompute in ("none", "compiler") else "inputs"),
+                    target=target)
             if p.index < cut else p for p in plan]
 
 
@@ -96,8 +100,9 @@ def plan_rows(plan: Sequence[BlockPlan], profiles: Optional[Sequence] = None) ->
     for i, p in enumerate(plan):
         row = asdict(p)
         if profiles is not None:
-            row["saved_bytes"] = profiles[i].saved_bytes[p.recompute]
-            row["recompute_s"] = profiles[i].cost_s[p.recompute]
+            # The compiler's own choice is not profiled: its bytes are measured while training.
+            row["saved_bytes"] = profiles[i].saved_bytes.get(p.recompute)
+            row["recompute_s"] = profiles[i].cost_s.get(p.recompute)
         rows.append(row)
     return rows
 
@@ -112,8 +117,10 @@ def plan_table(plan: Sequence[BlockPlan], profiles: Optional[Sequence] = None) -
     for r in rows:
         line = (f"{r['index']:>5} {r['name']:<24} {r['recompute']:<10} {r['offload']:<8} "
                 f"{str(r['shard']):<5}")
-        if profiles is not None:
+        if profiles is not None and r["saved_bytes"] is not None:
             line += f" {r['saved_bytes'] / 2**20:>10.2f} {r['recompute_s'] * 1e3:>12.2f}"
+        elif r["memory_budget"] is not None:
+            line += f"   compiler's activation_memory_budget {r['memory_budget']:.3f}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -70,10 +70,44 @@ def block_options(names: Sequence[str], profiles: Sequence[BlockProfile],
     return out
 
 
+def compiler_budgets(profiles: Sequence[BlockProfile], budget: Budget,
+                     rest_bytes: int) -> list[float]:
+    """checkpointing=compiler: each block's activation_memory_budget for torch.compile's
+    partitioner, so that the blocks keep the same share of their no-checkpoint bytes as
+    `budget` allows in all.
+
+    The partitioner's budget r is linear in its own byte estimate: r=0 keeps only the graph's
+    inputs, r=1 what its default min-cut keeps; parameters are inputs at both ends and cancel.
+    With profiles measured under compile, a block's full-recompute bytes (its inputs) and no-
+    checkpoint bytes are those two ends, so r = (target - full) / (none - full).
+    """
+    none = sum(p.saved_bytes["none"] for p in profiles)
+    least = rest_bytes + sum(p.saved_bytes["full"] for p in profiles)
+    if budget.bytes < least:
+        raise BudgetError(
+            f"{budget.bytes} bytes ({budget.bytes / 2**30:.3f} GiB) cannot be met: the smallest "
+            f"feasible budget is {least} bytes ({least / 2**30:.3f} GiB: every block keeping only "
+            f"its inputs, {rest_bytes} of it outside the blocks); without checkpointing the step "
+            f"keeps {budget.no_checkpoint_bytes} bytes")
+    share = (budget.bytes - rest_bytes) / none if none else 1.0
+    budgets = []
+    for p in profiles:
+        keep_all, inputs = p.saved_bytes["none"], p.saved_bytes["full"]
+        span = keep_all - inputs
+        ratio = (share * keep_all - inputs) / span if span > 0 else 1.0
+        budgets.append(round(min(1.0, max(0.0, ratio)), 4))
+    return budgets
+
+
 def choose_plan(policy: str, block_names: Sequence[str], shard: bool, every: int = 2,
                 profiles: Optional[Sequence[BlockProfile]] = None, rest_bytes: int = 0,
                 budget: Optional[Budget] = None,
                 offload: Optional[OffloadCost] = None) -> list[BlockPlan]:
+    if policy == "compiler":
+        assert profiles is not None and budget is not None, "the compiler policy needs profiles"
+        return [replace(p, memory_budget=r) for p, r in zip(
+            make_plan(block_names, ["compiler"] * len(block_names), shard),
+            compiler_budgets(profiles, budget, rest_bytes), strict=True)]
     if policy != "budget":
         return make_plan(block_names, recompute_pattern(policy, len(block_names), every), shard)
     assert profiles is not None and budget is not None, "the budget policy needs profiles"
@@ -95,7 +129,7 @@ def choose_plan(policy: str, block_names: Sequence[str], shard: bool, every: int
 
 def added_seconds(plan: Sequence[BlockPlan], profiles: Sequence[BlockProfile]) -> float:
     """Profiled recompute seconds per micro-batch for this plan."""
-    return sum(p.cost_s[b.recompute] for b, p in zip(plan, profiles, strict=True))
+    return sum(p.cost_s.get(b.recompute, 0.0) for b, p in zip(plan, profiles, strict=True))
 
 
 def predicted_saved_bytes(plan: Sequence[BlockPlan], profiles: Sequence[BlockProfile],

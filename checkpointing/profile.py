@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from checkpointing.compiled import compile_block
 from checkpointing.saved import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
 
@@ -106,15 +107,21 @@ def _sync(device: torch.device) -> None:
 
 
 def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device,
-                  save_ops: Sequence, repeats: int) -> BlockProfile:
-    """Saved bytes and added seconds for each option, for one block at its real input shapes."""
+                  save_ops: Sequence, repeats: int,
+                  compile_backend: Optional[str] = None) -> BlockProfile:
+    """Saved bytes and added seconds for each option, for one block at its real input shapes.
+
+    compile_backend: measure each option compiled, as train.compile runs it (what the compiled
+    backward keeps differs from eager: selective checkpointing can keep much more).
+    """
     generator = torch.Generator(device=device).manual_seed(0)
     real = copy.deepcopy(block).to_empty(device=device)
     with torch.no_grad():
         for p in real.parameters():
             p.normal_(0.0, 0.02, generator=generator)
     real_args, real_kwargs = tree_map(lambda x: _real_like(x, device, generator), (args, kwargs))
-    candidates = {option: _wrapped_copy(real, option, save_ops) for option in OPTIONS}
+    candidates = {option: _wrapped_copy(real, option, save_ops, compile_backend)
+                  for option in OPTIONS}
     saved, sizes = {}, {}
     seconds = {option: float("inf") for option in OPTIONS}
     forward_s = float("inf")
@@ -148,17 +155,23 @@ def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.dev
     return BlockProfile(saved_bytes=saved, cost_s=cost, compute_s=base, storage_sizes=sizes)
 
 
-def _wrapped_copy(real: nn.Module, option: str, save_ops: Sequence) -> nn.Module:
+def _wrapped_copy(real: nn.Module, option: str, save_ops: Sequence,
+                  compile_backend: Optional[str]) -> nn.Module:
     # A shallow copy shares the parameters but gets its own forward to wrap.
     candidate = copy.copy(real)
     meter = SavedBytesMeter()
-    checkpoint_block(candidate, option, save_ops, meter)
+    if compile_backend is None:
+        checkpoint_block(candidate, option, save_ops, meter)
+    else:  # the compiled graph's saved tensors pass the meter's hooks, its cache included
+        checkpoint_block(candidate, option, save_ops)
+        compile_block(candidate, compile_backend)
     candidate._profile_meter = meter
     return candidate
 
 
 def profile_blocks(blocks: Sequence[nn.Module], trace: ModelTrace, device: torch.device,
-                   save_ops: Sequence, repeats: int) -> list[BlockProfile]:
+                   save_ops: Sequence, repeats: int,
+                   compile_backend: Optional[str] = None) -> list[BlockProfile]:
     """A profile per block; identical blocks share one measurement."""
     cache: dict[tuple, BlockProfile] = {}
     profiles = []
@@ -167,6 +180,7 @@ def profile_blocks(blocks: Sequence[nn.Module], trace: ModelTrace, device: torch
         for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
             key = _signature(block, args, kwargs)
             if key not in cache:
-                cache[key] = profile_block(block, args, kwargs, device, save_ops, repeats)
+                cache[key] = profile_block(block, args, kwargs, device, save_ops, repeats,
+                                           compile_backend)
             profiles.append(cache[key])
     return profiles

@@ -73,7 +73,7 @@ def checkpoint_block(block: nn.Module, recompute: str, save_ops: Sequence = (),
 
     meter: where selective checkpointing reports what it keeps, when that is being measured.
     """
-    if recompute == "none":
+    if recompute in ("none", "compiler"):  # compiler: torch.compile places recompute itself
         return
     if getattr(block, "_blocktrain_recompute", None) is not None:
         raise RuntimeError(f"block already checkpointed ({block._blocktrain_recompute})")

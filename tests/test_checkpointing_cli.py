@@ -75,15 +75,16 @@ def test_infeasible_budget_names_the_smallest_feasible_one(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_compiled_blocks_train_like_eager(tmp_path) -> None:
-    """train.compile=true compiles each block after its checkpoint wrapper and before FSDP."""
-    base = QUICK + ["train.steps=3", "model.dropout=0.0", "checkpointing=selective",
-                    "checkpointing.profile_repeats=1"]
+    """train.compile=true (inductor) against eager, no checkpointing, over several steps."""
+    base = QUICK + ["train.steps=6", "model.dropout=0.0"]
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     check_ok(run_trainer(base + [f"hydra.run.dir={eager}"], cwd=tmp_path))
     result = run_trainer(base + ["train.compile=true", f"hydra.run.dir={compiled}"], cwd=tmp_path,
                          timeout=600)
     check_ok(result)
-    # Inductor fuses kernels, so the floats may differ in the last bits; the maths may not.
+    # Inductor fuses kernels (other summation orders), so the floats differ in the last bits
+    # and the difference grows a little with each optimizer step; the maths may not differ.
+    assert len(losses(compiled)) == 6
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
     log = (compiled / "train.log").read_text()
-    assert "compiled 4 blocks" in log
+    assert "torch.compile: 4 blocks, " in log

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 import torch.distributed as dist
 
 from checkpointing.blocks import canonical_name, find_blocks
+from checkpointing.compiled import compile_blocks
 from checkpointing.plan import BlockPlan, with_offload
 from checkpointing.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.profile import BlockProfile, profile_blocks, trace_on_meta
@@ -164,10 +166,12 @@ class Built:
     profiles: Optional[list[BlockProfile]]  # when some block recomputes
     rest_saved_bytes: int  # activations kept outside the blocks (from the meta trace)
     budget: Optional[Budget]
-    compiled_blocks: int = 0  # blocks whose __call__ torch.compile replaced
+    compiled_blocks: int = 0  # blocks whose forward torch.compile replaced
     offloader: Optional[Offloader] = None
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
     decision: Optional[object] = None  # trainer/autofit.py's Decision, when it chose the plan
+    build_s: float = 0.0  # seconds build_model took: meta model, profiling (compiling there too)
+    started: float = 0.0  # time.perf_counter() when build_model began
 
 
 def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Sequence[nn.Module],
@@ -187,7 +191,8 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         inputs, targets = task.example(cfg.train.micro_batch_size)
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, denv.device, resolve_ops(c.save_ops),
-                                  c.profile_repeats)
+                                  c.profile_repeats,
+                                  cfg.train.compile_backend if cfg.train.compile else None)
         if c.policy == "budget":  # working sets from the memory model (the report's)
             profiles = with_working_sets(cfg, model, names, blocks, profiles, denv.device)
         payload = [(profiles, trace.rest_saved_bytes)]
@@ -196,8 +201,9 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         dist.broadcast_object_list(payload, src=0)
     profiles, rest = payload[0]
     budget, offload = None, None
-    if c.policy == "budget":
+    if c.policy in ("budget", "compiler"):
         budget = resolve_budget(c.budget, profiles, rest)
+    if c.policy == "budget":
         offload = _offload_cost(cfg, denv, run_dir)
     plan = choose_plan(c.policy, names, shard, c.every, profiles, rest, budget, offload)
     return plan, profiles, rest, budget
@@ -239,6 +245,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
                 ) -> Built:
     """Meta model -> blocks -> plan -> per block: checkpoint, offload hooks, compile, shard ->
     root -> real. decided: the plan (and its profiles) checkpointing=auto chose."""
+    started = time.perf_counter()
     model = build_on_meta(cfg.model)
     flops = model_flops_per_token(cfg.model, model,
                                   task_for(cfg.model, cfg.data).tokens_per_sample)
@@ -253,19 +260,19 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
         plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)
     if cfg.checkpointing.policy not in ("budget", "auto", "file"):  # those decided offload
         plan = with_offload(plan, o.target, o.keep_last)
-    # Order matters: the checkpoint wrapper sits inside the offload hooks (which then see what
-    # the block keeps: its inputs if it recomputes), both inside compile, and all of it inside
+    # Order matters: the checkpoint wrapper, then compile (the checkpoint is traced into the
+    # graph), then the offload hooks (which see what the block keeps: its inputs if it
+    # recomputes, whatever the compiled backward keeps if compiled), and all of it inside
     # fully_shard, so recompute happens while FSDP holds the block unsharded (one all-gather).
+    # Compiled, selective checkpointing's cache is saved tensors the meter's hooks see.
     apply_checkpointing(blocks, plan, cfg.checkpointing.save_ops,
                         meter=None if cfg.train.compile else meter)
+    compiled = (compile_blocks(blocks, plan, cfg.train.compile_backend)
+                if cfg.train.compile else 0)
     offloader = build_offloader(o.target, denv.device, o.min_bytes, o.max_host_bytes,
                                 offload_dir(o.dir, run_dir, denv.rank),
                                 o.max_inflight_bytes, denv.is_main, o.trim_heap)
     apply_offload(blocks, plan, offloader, meter)
-    if cfg.train.compile:
-        for block in blocks:
-            # Compiles this instance's __call__: its checkpointed forward too.
-            block.compile(backend=cfg.train.compile_backend)
     cpu_offload = cfg.sharding.cpu_offload and denv.device.type != "cpu"
     if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
         log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "
@@ -279,8 +286,8 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     materialize(model, torch.device("cpu") if cpu_offload else denv.device, cfg.train.seed)
     if mesh is None and denv.world_size > 1:
         model = fsdp.apply_ddp(model, denv.device)
-    compiled = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
-    return Built(model, plan, profiles, rest, budget, compiled, offloader, flops)
+    return Built(model, plan, profiles, rest, budget, compiled, offloader, flops,
+                 build_s=time.perf_counter() - started, started=started)
 
 
 def find_model_blocks(model: nn.Module, pattern: Optional[str]) -> tuple[list[str], list[nn.Module]]:

@@ -140,13 +140,14 @@ class ShardingConfig:
 @dataclass
 class CheckpointingConfig:
     # none | full | every_k | sqrt | selective | budget | auto (the fastest plan that fits
-    # train.memory_gib) | file (plan_file)
+    # train.memory_gib) | file (plan_file) | compiler (torch.compile's partitioner places
+    # recompute under budget; needs train.compile=true)
     policy: str = "none"
     every: int = 2  # every_k: recompute every k-th block
     # selective: aten ops whose outputs are kept (matmuls, attention); the rest is recomputed.
     save_ops: List[str] = field(default_factory=lambda: list(DEFAULT_SAVE_OPS))
-    # budget: activation bytes per rank for the whole step (> 1), or a fraction (<= 1) of the
-    # activation bytes without checkpointing.
+    # budget, compiler: activation bytes per rank for the whole step (> 1), or a fraction
+    # (<= 1) of the activation bytes without checkpointing.
     budget: Optional[float] = None
     profile_repeats: int = 3  # timing repeats per option when profiling a block
     # file: the per-block plan of an earlier run (its plan.json), carried out as it is.
@@ -234,7 +235,7 @@ CHOICES = {
     "train.compile_backend": ("inductor", "aot_eager", "eager"),
     "sharding.mode": ("fsdp", "hsdp", "none"),
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget", "auto",
-                             "file"),
+                             "file", "compiler"),
     "offload.target": ("none", "cpu", "disk"),
 }
 

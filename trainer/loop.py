@@ -39,7 +39,7 @@ from trainer.task import Task, build_task_datasets, task_for
 from trainer.faults import (CollectiveFailure, FaultLimit, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
 from trainer.metrics import (RunLogger, device_used_bytes, peak_flops, peak_memory_bytes,
-                             peak_reserved_bytes, run_summary)
+                             peak_reserved_bytes, run_summary, startup_fields, startup_line)
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from trainer.ownership import RunDirBusy, RunLock, set_aside
 from trainer.resume import Progress, resume, rollback, train_state
@@ -254,16 +254,14 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                 f"plan: {describe(plan)}; global batch {layout.global_batch_size} x "
                 f"{task.tokens_per_sample} tokens (micro {t.micro_batch_size} x accum "
                 f"{layout.grad_accum} x ranks {denv.world_size}); run dir {run_dir}")
-    if t.compile:
-        logger.info(f"torch.compile: compiled {built.compiled_blocks} blocks (each after its "
-                    "checkpoint wrapper, before sharding)")
 
     flops = built.flops_per_token
     peak = peak_flops(device)
     tokens_per_step = layout.global_batch_size * task.tokens_per_sample
 
     recompute_s = None
-    if built.profiles is not None:  # profiled seconds the plan adds, for all micro-batches
+    if built.profiles is not None and all(p.recompute in built.profiles[p.index].cost_s
+                                          for p in plan):  # profiled seconds the plan adds
         recompute_s = added_seconds(plan, built.profiles) * layout.grad_accum
 
     def save(step: int) -> None:
@@ -283,6 +281,7 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                                    t.steps, peak_memory_bytes(device), device.type,
                                    logger.last, None if last is None else
                                    checkpoint_path(checkpointer.root, last)))
+    startup: dict = {}  # logged with the first step's record
     guard = LossGuard(f.skip_nonfinite, f.max_bad_steps, f.spike_factor, f.spike_window)
     while progress.step < t.steps:
         step = progress.step + 1
@@ -310,6 +309,10 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         step_time = time.perf_counter() - started
         tokens_per_s = tokens_per_step / step_time
         logger.step(step, loss, tokens_per_s)
+        if step == first_step + 1:  # the cost of starting: building, compiling, first step
+            startup = startup_fields(built.build_s, step_time,
+                                     time.perf_counter() - built.started, built.compiled_blocks)
+            logger.info(startup_line(startup, built.compiled_blocks))
 
         if step % cfg.logging.every == 0 or step == t.steps:
             metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
@@ -318,8 +321,9 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
                        "data_wait_s": data_wait_s,
                        "tokens_seen": progress.tokens_seen,
                        "peak_mem_bytes": peak_memory_bytes(device),
-                       "act_saved_bytes": meter.peak}
+                       "act_saved_bytes": meter.peak, **startup}
             meter.reset_peak()
+            startup = {}
             if recompute_s is not None:
                 metrics["recompute_s"] = recompute_s
             if built.offloader is not None:

@@ -167,3 +167,27 @@ def _format(key: str, value) -> str:
     if isinstance(value, int) and key.endswith("bytes"):
         return f"{key.replace('_bytes', '')} {value / 2**30:.2f}GiB"
     return f"{key} {value}"
+
+
+def startup_fields(build_s: float, first_step_s: float, to_first_step_s: float,
+                   compiled_blocks: int) -> dict:
+    """What starting cost, logged with the first step: building the model (profiling included,
+    which compiles there under train.compile), the first step (compiling its graphs), and all
+    from the start of the build to the end of the first step (the first evaluation too)."""
+    fields = {"build_s": build_s, "first_step_s": first_step_s,
+              "to_first_step_s": to_first_step_s}
+    if compiled_blocks:
+        from checkpointing.compiled import graphs_compiled
+
+        fields["compiled_graphs"] = graphs_compiled()
+    return fields
+
+
+def startup_line(fields: dict, compiled_blocks: int) -> str:
+    line = (f"start-up: {fields['to_first_step_s']:.1f} s to the end of the first step (model "
+            f"built in {fields['build_s']:.1f} s, the step itself {fields['first_step_s']:.1f} s)")
+    if compiled_blocks:
+        line += (f"; torch.compile: {compiled_blocks} blocks, {fields['compiled_graphs']} graphs "
+                 "compiled in this process (profiling and evaluation included; blocks of the "
+                 "same class and shapes share one)")
+    return line

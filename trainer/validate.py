@@ -237,13 +237,16 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     else:
         require(c.plan_file is None, "checkpointing.plan_file",
                 f"only applies to checkpointing=file (now checkpointing={c.policy})")
-    if c.policy == "budget":
+    if c.policy in ("budget", "compiler"):
         require(c.budget is not None and c.budget > 0, "checkpointing.budget",
-                "checkpointing=budget needs checkpointing.budget=<bytes per rank, or a fraction "
-                "<= 1 of the activation memory without checkpointing>")
+                f"checkpointing={c.policy} needs checkpointing.budget=<bytes per rank, or a "
+                "fraction <= 1 of the activation memory without checkpointing>")
     else:
         require(c.budget is None, "checkpointing.budget",
-                f"only applies to checkpointing=budget (now checkpointing={c.policy})")
+                f"only applies to checkpointing=budget or compiler (now checkpointing={c.policy})")
+    require(c.policy != "compiler" or cfg.train.compile, "train.compile",
+            "checkpointing=compiler leaves recompute to torch.compile's partitioner: set "
+            "train.compile=true (or choose checkpointing=budget for the same budget in eager)")
     if c.policy == "selective":
         require(len(c.save_ops) > 0, "checkpointing.save_ops",
                 "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")
@@ -253,9 +256,6 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
     for key in ("offload.max_host_bytes", "offload.max_inflight_bytes"):
         require(_get(cfg, key) > 0, key, f"must be a positive number of bytes, got {_get(cfg, key)}")
-    require(not (cfg.train.compile and o.target != "none"), "train.compile",
-            f"true does not combine with offload={o.target} yet (saved-tensor hooks inside "
-            "compiled blocks); set train.compile=false or offload=none")
     if o.target == "disk":
         check_writable(o.dir or cfg.train.out_dir, "offload.dir" if o.dir else "train.out_dir")
     require(cfg.train.stop_at_step is None or 0 < cfg.train.stop_at_step, "train.stop_at_step",

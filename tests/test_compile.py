@@ -1,0 +1,180 @@
+"""train.compile=true (inductor on CPU) with every recompute policy and offload target, the
+compiler's own placement (checkpointing=compiler), what compiled blocks keep, and start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from checkpointing.compiled import graphs_compiled
+from checkpointing.saved import SavedBytesMeter, is_parameter_like
+from tests.checkpoint_harness import SMALL, train_steps
+from tests.dist import spawn
+from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
+from trainer.build import build_model
+from trainer.distenv import init_distributed, read_env, shutdown
+
+COMPILED = ["train.compile=true", "offload.min_bytes=0", "offload.keep_last=1"]
+# The budget is a fraction of *compiled* no-checkpoint bytes, which are fewer than eager ones.
+POLICIES = [["checkpointing=none"], ["checkpointing=full"], ["checkpointing=every_k"],
+            ["checkpointing=sqrt"], ["checkpointing=selective"],
+            ["checkpointing=budget", "checkpointing.budget=0.6"],
+            ["checkpointing=compiler", "checkpointing.budget=0.4"]]
+TARGETS = ("none", "cpu", "disk")
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    init_distributed(read_env("cpu"), timeout_s=60)
+    yield
+    shutdown()
+
+
+def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
+    cfg = config(*SMALL, *COMPILED, *overrides)
+    meter = SavedBytesMeter()
+    torch.manual_seed(7 + rank)
+    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=run_dir)
+    assert built.compiled_blocks == 4
+    losses, grads, offloaded = train_steps(built, meter, cfg.optim, steps, rank)
+    return losses, grads, meter.peak, offloaded, [(p.recompute, p.memory_budget)
+                                                  for p in built.plan]
+
+
+def _grid(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    return {(p[0], target): _steps([*p, *extra, f"offload={target}"],
+                                   os.path.join(run_dir, f"r{rank}"), rank)
+            for p in POLICIES for target in TARGETS}
+
+
+def _check(results: dict, dropout: bool) -> None:
+    ref_losses, ref_grads = results["checkpointing=none", "none"][:2]
+    for (policy, target), (losses, grads, saved, offloaded, plan) in results.items():
+        if policy == "checkpointing=compiler" and dropout:
+            # The compiler's placement changes how inductor draws its dropout seeds: the first
+            # step (same weights, same masks) is bitwise, later ones draw other masks.
+            assert torch.equal(losses[0], ref_losses[0]), target
+            assert {r for r, _ in plan} == {"compiler"}
+            assert all(0 <= budget < 1 for _, budget in plan)
+        else:
+            assert torch.equal(losses, ref_losses), (policy, target)
+            for name, grad in grads.items():
+                assert torch.equal(grad, ref_grads[name]), (policy, target, name)
+        if target == "disk":
+            assert offloaded > 0, policy
+            if plan == results[policy, "none"][4]:  # what went to disk is no longer kept
+                assert saved < results[policy, "none"][2], policy
+
+
+@pytest.mark.slow
+def test_every_policy_and_target_bitwise_compiled_one_rank(one_rank, tmp_path) -> None:
+    _check(_grid(0, 1, str(tmp_path), ["model.dropout=0.1"]), dropout=True)
+    assert not any(files for _, _, files in os.walk(tmp_path))  # every offload file is gone
+
+
+@pytest.mark.slow
+def test_every_policy_and_target_bitwise_compiled_two_ranks(tmp_path) -> None:
+    for results in spawn(_grid, 2, str(tmp_path), ["model.dropout=0.1"]):
+        _check(results, dropout=True)
+
+
+@pytest.mark.slow
+def test_compiler_placement_is_bitwise_without_dropout(one_rank, tmp_path) -> None:
+    results = {}
+    for p in (["checkpointing=none"], ["checkpointing=compiler", "checkpointing.budget=0.2"],
+              ["checkpointing=compiler", "checkpointing.budget=0.7"]):
+        results[p[-1], "none"] = _steps([*p, "model.dropout=0.0"], str(tmp_path), 0)
+    _check({("checkpointing=none", "none"): results["checkpointing=none", "none"],
+            **{("compiler " + k, t): v for (k, t), v in results.items()}}, dropout=False)
+    # A smaller budget keeps fewer bytes, and both fewer than without checkpointing.
+    saved = {k: v[2] for (k, _), v in results.items()}
+    assert saved["checkpointing.budget=0.2"] < saved["checkpointing.budget=0.7"] < \
+        saved["checkpointing=none"]
+
+
+def _graph_saved_bytes(loss: torch.Tensor) -> int:
+    """Bytes of distinct non-parameter storages the autograd graph holds for backward, read off
+    the graph itself: compiled blocks are nodes whose `saved_tensors` are what their compiled
+    backward keeps."""
+    seen, total, stack, visited = set(), 0, [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        tensors = list(getattr(node, "saved_tensors", None) or ())
+        tensors += [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and not is_parameter_like(t):
+                key = t.untyped_storage()._cdata
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+        stack.extend(n for n, _ in node.next_functions)
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_saved_bytes_are_what_the_compiled_backward_keeps(one_rank, tmp_path, policy) -> None:
+    from trainer.model import lm_loss
+    from tests.checkpoint_harness import token_batch
+
+    cfg = config(*SMALL, "train.compile=true", "model.dropout=0.0", f"checkpointing={policy}")
+    meter = SavedBytesMeter()
+    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=str(tmp_path))
+    inputs, targets = token_batch(0, 0)
+    with meter.measure():
+        loss = lm_loss(built.model, inputs, targets)
+    assert meter.bytes == _graph_saved_bytes(loss) > 0
+    loss.backward()
+    if policy == "selective":  # inside the graph its cache is saved tensors, and counted
+        assert meter.bytes > built.profiles[0].saved_bytes["full"] * 4
+
+
+@pytest.mark.slow
+def test_identical_blocks_compile_once(one_rank, tmp_path) -> None:
+    from trainer.model import lm_loss
+    from tests.checkpoint_harness import token_batch
+
+    for layers, policy in ((4, "none"), (8, "none"), (8, "full")):
+        cfg = config(*SMALL, "train.compile=true", f"model.n_layers={layers}",
+                     f"checkpointing={policy}", "model.dim=48")
+        built = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter(),
+                            run_dir=str(tmp_path))
+        before = graphs_compiled()
+        lm_loss(built.model, *token_batch(0, 0)).backward()
+        # One graph for the blocks; a new model width makes the first build compile it once.
+        assert graphs_compiled() - before <= 1, (layers, policy)
+
+
+@pytest.mark.slow
+def test_compiled_run_reports_start_up_and_compiler_budget(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_trainer(QUICK + ["train.steps=2", "train.compile=true", "checkpointing=compiler",
+                                  "checkpointing.budget=0.3", "checkpointing.profile_repeats=1",
+                                  "offload=disk", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                         nproc=2, timeout=600)
+    check_ok(result)
+    startup = [m for m in read_metrics(run_dir) if "to_first_step_s" in m]
+    assert len(startup) == 1 and startup[0]["step"] == 1 and "loss" in startup[0]
+    assert startup[0]["to_first_step_s"] >= startup[0]["build_s"] > 0
+    assert startup[0]["compiled_graphs"] >= 1
+    assert "start-up: " in (run_dir / "train.log").read_text()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert {p["recompute"] for p in plan} == {"compiler"}
+    assert all(0 <= p["memory_budget"] < 1 for p in plan)
+
+
+def test_compiler_policy_needs_compile(tmp_path) -> None:
+    result = run_trainer(QUICK + ["checkpointing=compiler", "train.compile=false",
+                                  f"hydra.run.dir={tmp_path / 'r'}"],
+                         cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [errors[0]] and errors[0].startswith("error: train.compile")
