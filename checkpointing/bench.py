@@ -11,6 +11,11 @@ device, the bytes offloaded per micro-batch, the process peak memory (CUDA: max 
 peak RSS) and how far it fell against no offload, and the profiled recompute time. With
 `--repeat R` every figure is the median over R interleaved rounds.
 
+With `--budgets 0.25,0.5,0.75`, our budget planner, eager and compiled, runs beside
+`checkpointing=compiler` (torch.compile's partitioner under the same budget) at each budget, with
+`none` eager and compiled for reference: measured activation bytes, step time, and the seconds
+from the start to the end of the first step (compiling included).
+
 With `--memory-gib`, each policy (auto among them) runs at each memory level with the micro-batch
 chosen to fit it: the table shows what was chosen, the predicted and the measured peak of live
 tensor bytes (logging.live_bytes_step), whether it stayed within the level, and the step time
@@ -31,6 +36,12 @@ import sys
 import tempfile
 
 POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")  # --policies default
+
+
+def torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
 
 
 def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc: int,
@@ -102,6 +113,48 @@ def memory_rows(levels: list[float], policies: list[str], overrides: list[str], 
     return rows
 
 
+COMPILED = ["train.compile=true"]
+VARIANTS = (("none", "eager", []), ("none", "compiled", COMPILED),
+            ("budget", "eager", []), ("budget", "compiled", COMPILED),
+            ("compiler", "compiled", COMPILED))
+
+
+def budget_rows(budgets: list[float], overrides: list[str], steps: int, nproc: int, repeat: int,
+                out: str) -> dict[tuple[float | None, str, str], dict]:
+    """Our planner (eager, compiled) and the compiler's placement at each budget, `none` (eager,
+    compiled) once: medians over rounds of the steps after the first two (compiling settles)."""
+    keys = [(None if policy == "none" else b, policy, mode) for b in budgets
+            for policy, mode, _ in VARIANTS if policy != "none" or b == budgets[0]]
+    rounds: dict[tuple, list[dict]] = {key: [] for key in keys}
+    for round in range(repeat):
+        for budget, policy, mode in keys:
+            extra = next(e for p, m, e in VARIANTS if (p, m) == (policy, mode))
+            extra = extra + ([] if budget is None else [f"checkpointing.budget={budget}"])
+            logged = run_policy(policy, "none", [*extra, *overrides], steps, nproc,
+                                os.path.join(out, str(round), f"{budget}-{mode}"))
+            start = next(m for m in logged if "to_first_step_s" in m)
+            rounds[budget, policy, mode].append({
+                "step": statistics.median(m["step_time_s"] for m in logged
+                                          if "step_time_s" in m and m["step"] > 2),
+                "saved": max(m["act_saved_bytes"] for m in logged if "act_saved_bytes" in m),
+                "start": start["to_first_step_s"]})
+    return {key: {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+            for key, runs in rounds.items()}
+
+
+def print_budget_table(rows: dict[tuple[float | None, str, str], dict]) -> None:
+    none = rows[None, "none", "eager"]
+    print("| budget | policy | mode | act kept MiB | x none (eager) | step s | "
+          "x budget compiled | s to first step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (budget, policy, mode), r in rows.items():
+        ours = rows.get((budget, "budget", "compiled"))
+        ratio = f"{r['step'] / ours['step']:.2f}" if ours else "-"
+        print(f"| {'-' if budget is None else f'{budget:g}'} | {policy} | {mode} | "
+              f"{r['saved'] / 2**20:.2f} | {r['saved'] / none['saved']:.2f} | {r['step']:.4f} | "
+              f"{ratio} | {r['start']:.1f} |")
+
+
 def print_memory_table(rows: dict[tuple[float, str], dict | None]) -> None:
     print("| memory GiB | policy | micro-batch | plan | predicted peak MiB | live peak MiB | "
           "within | predicted step s | measured step s | x best uniform |")
@@ -135,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated train.memory_gib levels: every policy (default "
                              "auto,none,full,selective,every_k) at each, its micro-batch chosen "
                              "to fit (needs train.global_batch_size=...)")
+    parser.add_argument("--budgets", default=None,
+                        help="comma-separated checkpointing.budget fractions: budget (eager, "
+                             "compiled) beside checkpointing=compiler at each")
     args, overrides = parser.parse_known_args(argv)
     if args.repeat < 1 or args.steps < 2:
         parser.error("--repeat must be >= 1 and --steps >= 2 (the first step is not timed)")
@@ -152,6 +208,18 @@ def main(argv: list[str] | None = None) -> int:
               f"nproc {args.nproc}: python -m checkpointing.bench --memory-gib {args.memory_gib} "
               f"--steps {args.steps} --repeat {args.repeat} " + " ".join(overrides))
         print_memory_table(rows)
+        return 0
+    if args.budgets is not None:
+        if args.steps < 4:
+            parser.error("--budgets needs --steps >= 4 (the first two steps are not timed)")
+        with tempfile.TemporaryDirectory() as out:
+            rows = budget_rows([float(v) for v in args.budgets.split(",")], overrides,
+                               args.steps, args.nproc, args.repeat, out)
+        print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
+              f"nproc {args.nproc}, torch {torch_version()}: python -m checkpointing.bench "
+              f"--budgets {args.budgets} --steps {args.steps} --repeat {args.repeat} "
+              + " ".join(overrides))
+        print_budget_table(rows)
         return 0
     keys = [(p, t) for p in args.policies.split(",") for t in args.targets.split(",")]
     rounds: dict[tuple[str, str], list[dict]] = {key: [] for key in keys}

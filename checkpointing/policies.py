@@ -39,7 +39,8 @@ class OffloadCost:
 
 # Planner option name -> (recompute, offload) of the BlockPlan it becomes.
 CHOICES = {"none": ("none", "none"), "selective": ("selective", "none"), "full": ("full", "none"),
-           "none+offload": ("none", "all"), "full+offload": ("full", "inputs")}
+           "none+offload": ("none", "all"), "full+offload": ("full", "inputs"),
+           "compiler": ("compiler", "none")}
 
 
 def block_options(names: Sequence[str], profiles: Sequence[BlockProfile],
@@ -56,7 +57,9 @@ def block_options(names: Sequence[str], profiles: Sequence[BlockProfile],
     """
     out = []
     for index, (name, p) in enumerate(zip(names, profiles, strict=True)):
-        options = [Option(o, p.saved_bytes[o], p.cost_s[o], p.peak_of(o)) for o in OPTIONS]
+        # Under compile the compiler's own placement may be profiled as a fourth option.
+        options = [Option(o, p.saved_bytes[o], p.cost_s[o], p.peak_of(o))
+                   for o in (*OPTIONS, "compiler") if o in p.saved_bytes]
         if offload is not None and index < len(names) - offload.keep_last:
             ahead = (max(profiles[index + 1].peak_of(o) for o in OPTIONS)
                      if fold_prefetch and index + 1 < len(names) else 0)
@@ -122,7 +125,9 @@ def choose_plan(policy: str, block_names: Sequence[str], shard: bool, every: int
             f"({smallest / 2**30:.3f} GiB; {rest_bytes} of it outside the blocks); without "
             f"checkpointing the step keeps {budget.no_checkpoint_bytes} bytes") from exc
     names = [blocks[i].options[c].name for i, c in enumerate(choice)]
-    plan = make_plan(block_names, [CHOICES[n][0] for n in names], shard)
+    plan = [replace(p, memory_budget=profiles[p.index].compiler_budget)
+            if p.recompute == "compiler" else p
+            for p in make_plan(block_names, [CHOICES[n][0] for n in names], shard)]
     return [replace(p, offload=CHOICES[n][1], target=offload.target) if CHOICES[n][1] != "none"
             else p for p, n in zip(plan, names)]
 

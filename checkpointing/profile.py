@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -33,6 +33,8 @@ class BlockProfile:
     # Per option: bytes alive while the block runs (its working set), from the memory model's
     # meta measurement (checkpointing/metatrace.py); empty: not measured.
     working_bytes: dict[str, int] = field(default_factory=dict)
+    # With the "compiler" option: the partitioner's activation_memory_budget it was measured at.
+    compiler_budget: Optional[float] = None
 
     def small_bytes(self, option: str, min_bytes: int) -> int:
         """What stays on the device when `option`'s saved storages are offloaded."""
@@ -106,36 +108,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device,
-                  save_ops: Sequence, repeats: int,
-                  compile_backend: Optional[str] = None) -> BlockProfile:
-    """Saved bytes and added seconds for each option, for one block at its real input shapes.
-
-    compile_backend: measure each option compiled, as train.compile runs it (what the compiled
-    backward keeps differs from eager: selective checkpointing can keep much more).
-    """
+def _materialise(block: nn.Module, args: tuple, kwargs: dict, device: torch.device):
     generator = torch.Generator(device=device).manual_seed(0)
     real = copy.deepcopy(block).to_empty(device=device)
     with torch.no_grad():
         for p in real.parameters():
             p.normal_(0.0, 0.02, generator=generator)
-    real_args, real_kwargs = tree_map(lambda x: _real_like(x, device, generator), (args, kwargs))
-    candidates = {option: _wrapped_copy(real, option, save_ops, compile_backend)
-                  for option in OPTIONS}
+    return real, tree_map(lambda x: _real_like(x, device, generator), (args, kwargs))
+
+
+def _measure(candidates: dict[str, nn.Module], args: tuple, kwargs: dict, device: torch.device,
+             repeats: int):
+    """Per candidate: saved bytes, saved storage sizes, best seconds of forward+backward; and
+    the best forward seconds of "none". Candidates take turns, after one untimed round:
+    allocator and thread-pool warm-up (and compiling) would otherwise be charged to whichever
+    ran first."""
     saved, sizes = {}, {}
-    seconds = {option: float("inf") for option in OPTIONS}
-    forward_s = float("inf")
-    # Options take turns, after one untimed round: allocator and thread-pool warm-up would
-    # otherwise be charged to whichever option ran first.
+    seconds = {option: float("inf") for option in candidates}
+    forward_s, grad = float("inf"), True
     for attempt in range(repeats + 1):
         for option, candidate in candidates.items():
             _sync(device)
             started = time.perf_counter()
             with candidate._profile_meter.measure() as meter:
-                out = candidate(*real_args, **real_kwargs)
+                out = candidate(*args, **kwargs)
             _sync(device)
             forward_done = time.perf_counter()
-            if out.requires_grad:  # a frozen block fed by frozen layers has no backward
+            grad = out.requires_grad
+            if grad:  # a frozen block fed by frozen layers has no backward
                 out.float().square().mean().backward()
             _sync(device)
             saved[option] = meter.bytes
@@ -144,19 +144,65 @@ def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.dev
                 seconds[option] = min(seconds[option], time.perf_counter() - started)
                 if option == "none":
                     forward_s = min(forward_s, forward_done - started)
+    # No backward: nothing is ever recomputed.
+    return saved, sizes, seconds, forward_s if grad else 0.0
+
+
+def profile_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device,
+                  save_ops: Sequence, repeats: int,
+                  compile_backend: Optional[str] = None) -> BlockProfile:
+    """Saved bytes and added seconds for each option, for one block at its real input shapes.
+
+    compile_backend: measure each option compiled, as train.compile runs it (what the compiled
+    backward keeps differs from eager: selective checkpointing can keep much more).
+    """
+    real, (real_args, real_kwargs) = _materialise(block, args, kwargs, device)
+    candidates = {option: _wrapped_copy(real, option, save_ops, compile_backend)
+                  for option in OPTIONS}
+    saved, sizes, seconds, forward_s = _measure(candidates, real_args, real_kwargs, device,
+                                                repeats)
     base = seconds["none"]
     # Full recomputation repeats exactly one forward, so its cost is the forward's own time
     # rather than a difference of two noisy totals (which a loaded machine can make <= 0).
     # Selective recomputes part of that forward: its difference, kept within [0, forward].
-    if not out.requires_grad:  # no backward, so nothing is ever recomputed
-        forward_s = 0.0
     cost = {"none": 0.0, "full": forward_s,
             "selective": min(forward_s, max(0.0, seconds["selective"] - base))}
     return BlockProfile(saved_bytes=saved, cost_s=cost, compute_s=base, storage_sizes=sizes)
 
 
+def with_compiler_option(blocks: Sequence[nn.Module], trace: ModelTrace, device: torch.device,
+                         profiles: Sequence[BlockProfile], budgets: Sequence[float],
+                         compile_backend: str, repeats: int) -> list[BlockProfile]:
+    """Each profile with a fourth option, "compiler": the block compiled without a checkpoint,
+    the partitioner placing recompute under its activation_memory_budget (`budgets`, one per
+    block), measured beside compiled "none". Its working set is taken as that of "none"."""
+    cache: dict[tuple, BlockProfile] = {}
+    out = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for block, (args, kwargs), p, budget in zip(blocks, trace.block_args, profiles, budgets,
+                                                    strict=True):
+            key = (_signature(block, args, kwargs), budget)
+            if key not in cache:
+                real, (real_args, real_kwargs) = _materialise(block, args, kwargs, device)
+                candidates = {"none": _wrapped_copy(real, "none", (), compile_backend),
+                              "compiler": _wrapped_copy(real, "none", (), compile_backend, budget)}
+                saved, sizes, seconds, forward_s = _measure(candidates, real_args, real_kwargs,
+                                                            device, repeats)
+                cost = min(forward_s, max(0.0, seconds["compiler"] - seconds["none"]))
+                working = ({**p.working_bytes, "compiler": p.working_bytes["none"]}
+                           if "none" in p.working_bytes else p.working_bytes)
+                cache[key] = replace(
+                    p, saved_bytes={**p.saved_bytes, "compiler": saved["compiler"]},
+                    cost_s={**p.cost_s, "compiler": cost},
+                    storage_sizes={**p.storage_sizes, "compiler": sizes["compiler"]},
+                    working_bytes=working, compiler_budget=budget)
+            out.append(cache[key])
+    return out
+
+
 def _wrapped_copy(real: nn.Module, option: str, save_ops: Sequence,
-                  compile_backend: Optional[str]) -> nn.Module:
+                  compile_backend: Optional[str], memory_budget: Optional[float] = None
+                  ) -> nn.Module:
     # A shallow copy shares the parameters but gets its own forward to wrap.
     candidate = copy.copy(real)
     meter = SavedBytesMeter()
@@ -164,7 +210,7 @@ def _wrapped_copy(real: nn.Module, option: str, save_ops: Sequence,
         checkpoint_block(candidate, option, save_ops, meter)
     else:  # the compiled graph's saved tensors pass the meter's hooks, its cache included
         checkpoint_block(candidate, option, save_ops)
-        compile_block(candidate, compile_backend)
+        compile_block(candidate, compile_backend, memory_budget)
     candidate._profile_meter = meter
     return candidate
 

@@ -22,8 +22,10 @@ import torch.distributed as dist
 from checkpointing.blocks import canonical_name, find_blocks
 from checkpointing.compiled import compile_blocks
 from checkpointing.plan import BlockPlan, with_offload
-from checkpointing.policies import Budget, OffloadCost, choose_plan, resolve_budget
-from checkpointing.profile import BlockProfile, profile_blocks, trace_on_meta
+from checkpointing.policies import (Budget, BudgetError, OffloadCost, choose_plan,
+                                   compiler_budgets, resolve_budget)
+from checkpointing.profile import (BlockProfile, profile_blocks, trace_on_meta,
+                                  with_compiler_option)
 from checkpointing.saved import SavedBytesMeter
 from checkpointing.wrap import apply_checkpointing, resolve_ops
 from trainer.distenv import DistEnv
@@ -195,6 +197,8 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
                                   cfg.train.compile_backend if cfg.train.compile else None)
         if c.policy == "budget":  # working sets from the memory model (the report's)
             profiles = with_working_sets(cfg, model, names, blocks, profiles, denv.device)
+        if c.policy == "budget" and cfg.train.compile:  # the compiler's placement, an option too
+            profiles = _with_compiler_option(cfg, blocks, trace, profiles, denv.device)
         payload = [(profiles, trace.rest_saved_bytes)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Timings differ between ranks; every rank must carry out the same plan.
@@ -207,6 +211,20 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         offload = _offload_cost(cfg, denv, run_dir)
     plan = choose_plan(c.policy, names, shard, c.every, profiles, rest, budget, offload)
     return plan, profiles, rest, budget
+
+
+def _with_compiler_option(cfg: Config, blocks: Sequence[nn.Module], trace,
+                          profiles: list[BlockProfile], device: torch.device
+                          ) -> list[BlockProfile]:
+    """Under compile the planner may also choose the compiler's own placement for a block, at
+    the activation_memory_budget checkpointing=compiler would use for the same budget."""
+    budget = resolve_budget(cfg.checkpointing.budget, profiles, trace.rest_saved_bytes)
+    try:
+        budgets = compiler_budgets(profiles, budget, trace.rest_saved_bytes)
+    except BudgetError:  # below even the compiler's least: the planner's own error says more
+        budgets = [0.0] * len(profiles)
+    return with_compiler_option(blocks, trace, device, profiles, budgets,
+                                cfg.train.compile_backend, cfg.checkpointing.profile_repeats)
 
 
 def with_working_sets(cfg: Config, model: nn.Module, names: Sequence[str],

@@ -190,7 +190,11 @@ def not_modeled(cfg) -> list[str]:
         notes.append(f"offload={cfg.offload.target}: offloaded blocks keep only their storages "
                      f"under offload.min_bytes on the device; the block fetched ahead in backward "
                      "is counted; the offload engine's own buffers are not")
-    if cfg.train.compile:
+    if cfg.checkpointing.policy == "compiler":
+        notes.append("checkpointing=compiler: torch.compile's partitioner chooses what each "
+                     "block keeps when it compiles; predicted as checkpointing=none, which keeps "
+                     "the most (the run's act_saved_bytes measures what it kept)")
+    elif cfg.train.compile:
         notes.append("train.compile=true is not modeled: compiled blocks may keep other "
                      "tensors than the eager ones measured here")
     return notes

@@ -100,6 +100,8 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
 
         return read_plan(c.plan_file, names, shard), None
     assert c.policy != "auto", "checkpointing=auto plans through trainer/autofit.py"
+    if c.policy == "compiler":  # decided inside the compiled graph: bounded by keeping all
+        return with_offload(choose_plan("none", names, shard), o.target, o.keep_last), None
     profiles = block_profiles(profile, seconds_per_flop)
     budget, offload = None, None
     if c.policy == "budget":
