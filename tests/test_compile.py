@@ -222,3 +222,20 @@ def test_budget_planner_can_choose_the_compilers_placement() -> None:
     plan = choose_plan("budget", ["a", "b"], True, profiles=[plain] * 2, rest_bytes=0,
                        budget=Budget(120, 200))
     assert {p.recompute for p in plan} <= {"none", "selective", "full"}
+
+
+def test_plan_file_with_compiler_blocks_needs_compile(tmp_path) -> None:
+    from trainer.config import ConfigError
+    from trainer.planfile import read_plan
+
+    path = tmp_path / "plan.json"
+    rows = [{"index": i, "name": f"layers.{i}", "recompute": "compiler", "memory_budget": 0.3}
+            for i in range(2)]
+    path.write_text(json.dumps(rows))
+    plan = read_plan(str(path), ["layers.0", "layers.1"], True, compiled=True)
+    assert [(p.recompute, p.memory_budget) for p in plan] == [("compiler", 0.3)] * 2
+    with pytest.raises(ConfigError, match="set train.compile=true"):
+        read_plan(str(path), ["layers.0", "layers.1"], True, compiled=False)
+    path.write_text(json.dumps([{**r, "memory_budget": None} for r in rows]))
+    with pytest.raises(ConfigError, match="memory_budget between 0 and 1"):
+        read_plan(str(path), ["layers.0", "layers.1"], True, compiled=True)

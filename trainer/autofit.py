@@ -92,7 +92,7 @@ def fixed_plan(cfg: Config, names: Sequence[str], policy: Optional[str] = None) 
     if (policy or c.policy) == "file":
         from trainer.planfile import read_plan
 
-        return read_plan(c.plan_file, names, shard)
+        return read_plan(c.plan_file, names, shard, cfg.train.compile)
     plan = make_plan(names, recompute_pattern(policy or c.policy, len(names), c.every), shard)
     return with_offload(plan, cfg.offload.target, cfg.offload.keep_last)
 

@@ -186,7 +186,7 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
     if c.policy == "file":
         from trainer.planfile import read_plan
 
-        return read_plan(c.plan_file, names, shard), None, 0, None
+        return read_plan(c.plan_file, names, shard, cfg.train.compile), None, 0, None
     payload = [None]
     if denv.rank == 0:
         task = task_for(cfg.model, cfg.data)

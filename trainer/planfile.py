@@ -9,13 +9,14 @@ from typing import Sequence
 from checkpointing.plan import BlockPlan
 from trainer.config import ConfigError
 
-_ALLOWED = {"recompute": ("none", "full", "selective"), "offload": ("none", "inputs", "all"),
+_ALLOWED = {"recompute": ("none", "full", "selective", "compiler"), "offload": ("none", "inputs", "all"),
             "target": ("cpu", "disk")}
 
 
-def read_plan(path: str, names: Sequence[str], shard: bool) -> list[BlockPlan]:
+def read_plan(path: str, names: Sequence[str], shard: bool, compiled: bool) -> list[BlockPlan]:
     """The plan in `path` for these blocks (same names, same order); `shard` follows this run's
-    sharding, since the file's was the earlier run's."""
+    sharding, since the file's was the earlier run's. compiled: train.compile is on, which
+    blocks the compiler places recompute in (recompute "compiler") need."""
     key = "checkpointing.plan_file"
     try:
         with open(path) as f:
@@ -35,6 +36,14 @@ def read_plan(path: str, names: Sequence[str], shard: bool) -> list[BlockPlan]:
             if row.get(field, allowed[0]) not in allowed:
                 raise ConfigError(key, f"{path}, block {row['name']}: {field}="
                                   f"{row.get(field)!r}; choose one of {', '.join(allowed)}")
+        if row.get("recompute") == "compiler":
+            budget = row.get("memory_budget")
+            if not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+                raise ConfigError(key, f"{path}, block {row['name']}: recompute=compiler needs "
+                                  f"memory_budget between 0 and 1, got {budget!r}")
+            if not compiled:
+                raise ConfigError("train.compile", f"{path} leaves block {row['name']}'s "
+                                  "recompute to the compiler: set train.compile=true")
         values = {k: v for k, v in row.items() if k in known}
         plan.append(BlockPlan(**{**values, "index": index, "shard": shard}))
     return plan

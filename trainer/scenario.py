@@ -98,7 +98,7 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
     if c.policy == "file":
         from trainer.planfile import read_plan
 
-        return read_plan(c.plan_file, names, shard), None
+        return read_plan(c.plan_file, names, shard, scenario.cfg.train.compile), None
     assert c.policy != "auto", "checkpointing=auto plans through trainer/autofit.py"
     if c.policy == "compiler":  # decided inside the compiled graph: bounded by keeping all
         return with_offload(choose_plan("none", names, shard), o.target, o.keep_last), None
