@@ -167,8 +167,8 @@ def test_a_sweep_becomes_one_script_per_combination(monkeypatch, capsys, tmp_pat
     (["--time", "4h"], "error: --time: '4h' is not a Slurm time (MM, HH:MM:SS, D-HH:MM, ...)"),
     (["--env", "NCCL DEBUG"], "error: --env: expected NAME=VALUE"),
     (["--", "checkpointing=none,fulll"],
-     "error: checkpointing=fulll: unknown checkpointing; choose one of auto, budget, every_k, "
-     "file, full, none, selective, sqrt"),
+     "error: checkpointing=fulll: unknown checkpointing; choose one of auto, budget, compiler, "
+     "every_k, file, full, none, selective, sqrt"),
 ])
 def test_bad_requests_name_the_flag(monkeypatch, capsys, tmp_path, argv, message) -> None:
     monkeypatch.setattr(slurm, "slurm_available", lambda: False)
