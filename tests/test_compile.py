@@ -46,10 +46,11 @@ def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
                                                   for p in built.plan]
 
 
-def _grid(rank: int, world_size: int, run_dir: str, extra: list[str]):
+def _grid(rank: int, world_size: int, run_dir: str, extra: list[str],
+          targets: tuple = TARGETS):
     return {(p[0], target): _steps([*p, *extra, f"offload={target}"],
                                    os.path.join(run_dir, f"r{rank}"), rank)
-            for p in POLICIES for target in TARGETS}
+            for p in POLICIES for target in targets}
 
 
 def _check(results: dict, dropout: bool) -> None:
@@ -80,7 +81,8 @@ def test_every_policy_and_target_bitwise_compiled_one_rank(one_rank, tmp_path) -
 
 @pytest.mark.slow
 def test_every_policy_and_target_bitwise_compiled_two_ranks(tmp_path) -> None:
-    for results in spawn(_grid, 2, str(tmp_path), ["model.dropout=0.1"]):
+    # offload=cpu on a CPU device runs the hooks but moves nothing: one rank covers it.
+    for results in spawn(_grid, 2, str(tmp_path), ["model.dropout=0.1"], ("none", "disk")):
         _check(results, dropout=True)
 
 
