@@ -88,9 +88,13 @@ def test_config_keys_are_frozen() -> None:
         "save.signal", "save.preempt_exit_code",
         "faults.skip_nonfinite", "faults.max_bad_steps", "faults.spike_factor",
         "faults.spike_window", "faults.max_rollbacks", "faults.inject_nan_at",
-        "faults.inject_spike_at", "faults.inject_hang_at",
+        "faults.inject_spike_at", "faults.inject_hang_at", "faults.inject_slow_at",
+        "faults.inject_slow_s",
         "logging.every", "logging.progress", "logging.wandb", "logging.wandb_project",
         "logging.wandb_entity", "logging.wandb_init_timeout_s", "logging.live_bytes_step",
+        "logging.alert_interval_s", "logging.alert_throughput_fraction",
+        "logging.alert_throughput_window", "logging.alert_memory_margin",
+        "logging.wandb_checkpoint_refs",
     }
 
 

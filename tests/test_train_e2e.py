@@ -35,8 +35,8 @@ def test_two_ranks_share_one_run_dir_and_only_rank0_writes(tmp_path) -> None:
     # No --rdzv-id: named after the torchrun agent, which both workers share.
     assert run_dir.name.startswith("run-")
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(
-        [".hydra", ".lock", "checkpoints", "metrics.jsonl", "plan.json", "train.log", "wandb",
-         "wandb_run_id"])
+        [".hydra", ".lock", "checkpoints", "memory_plan.json", "memory_plan.png", "metrics.jsonl",
+         "plan.json", "train.log", "wandb", "wandb_run_id"])
     # Config dump and log once, from rank 0: nothing written anywhere else.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

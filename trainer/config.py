@@ -177,6 +177,14 @@ class LoggingConfig:
     # optimizer step and log them as live_peak_bytes: the quantity the memory model predicts,
     # also on CPU where the process peak includes the interpreter. Slows that one step.
     live_bytes_step: Optional[int] = None
+    # Alerts (trainer/watch.py): console/train.log `ALERT` lines, metrics.jsonl events, W&B.
+    alert_interval_s: float = 300.0  # at most one alert of a kind per this many seconds
+    # tokens/s below this fraction of the running median of the last window steps: drift
+    # (0 turns it off)
+    alert_throughput_fraction: float = 0.5
+    alert_throughput_window: int = 20
+    alert_memory_margin: float = 0.1  # measured peak above the predicted one by more than this
+    wandb_checkpoint_refs: bool = False  # the last checkpoint as a W&B artifact, by reference
 
 
 @dataclass
@@ -206,6 +214,8 @@ class FaultsConfig:
     inject_nan_at: List[int] = field(default_factory=list)
     inject_spike_at: List[int] = field(default_factory=list)
     inject_hang_at: List[int] = field(default_factory=list)  # the last rank stalls there
+    inject_slow_at: List[int] = field(default_factory=list)  # every rank sleeps inject_slow_s
+    inject_slow_s: float = 0.5
 
 
 @dataclass

@@ -148,8 +148,10 @@ class LossGuard:
 
 def injected_loss(loss_fn: LossFn, batch_index: int, nan_at: Sequence[int],
                   spike_at: Sequence[int], hang_at: Sequence[int], hang_s: float, rank: int,
-                  world_size: int) -> LossFn:
+                  world_size: int, slow_at: Sequence[int] = (), slow_s: float = 0.0) -> LossFn:
     """The loss to use for this batch: loss_fn, or a fault injected for tests and drills."""
+    if batch_index in slow_at:
+        time.sleep(slow_s)  # a slow step on every rank: what throughput drift looks like
     if batch_index in hang_at and rank == world_size - 1:
         time.sleep(hang_s)  # the other ranks' next collective must time out, naming itself
     if batch_index in nan_at:

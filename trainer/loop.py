@@ -1,7 +1,8 @@
 """The training run: set up once, then a loop whose step reads top to bottom.
 
 Eval, logging and state saving sit outside `train_step` behind "every N steps" guards; resume,
-rollback and fault handling live in trainer/resume.py, trainer/state.py and trainer/faults.py.
+rollback and fault handling live in trainer/resume.py, trainer/state.py and trainer/faults.py;
+alerts in trainer/watch.py, what W&B shows beyond the metrics in trainer/dashboard.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import logging
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,13 +37,16 @@ from trainer.data import train_batch, val_batches
 from trainer.model import lm_loss
 from trainer.prefetch import Prefetcher
 from trainer.task import Task, build_task_datasets, task_for
-from trainer.faults import (CollectiveFailure, FaultLimit, LossFn, LossGuard, PreemptionSignal, Verdict,
+from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
+from trainer.dashboard import end_of_run, start_logging, start_of_run, watch_memory
+from trainer.watch import Alerts, ThroughputWatch, bad_step
 from trainer.metrics import (RunLogger, device_used_bytes, peak_flops, peak_memory_bytes,
-                             peak_reserved_bytes, run_summary, startup_fields, startup_line)
+                             peak_reserved_bytes, run_summary, startup_fields, startup_line,
+                             summary_fields)
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from trainer.ownership import RunDirBusy, RunLock, set_aside
-from trainer.resume import Progress, resume, rollback, train_state
+from trainer.resume import Progress, resume, train_state
 from trainer.state import Checkpointer, checkpoint_path, clear_stopped, mark_stopped
 
 log = logging.getLogger("trainer")
@@ -127,29 +131,21 @@ def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = 
     return status
 
 
-def _start_logging(cfg: Config, denv: DistEnv, run_dir: str, first_step: int) -> RunLogger:
-    if not denv.is_main:
-        return RunLogger(None, cfg.train.steps, progress=False)
-    wandb_run = None
-    if cfg.logging.wandb:
-        from trainer.wandb_log import WandbLogger
-
-        wandb_run = WandbLogger.start(run_dir, dataclasses.asdict(cfg), cfg.logging.wandb_project,
-                                      cfg.logging.wandb_entity, os.path.basename(run_dir),
-                                      cfg.logging.wandb_init_timeout_s)
-    return RunLogger(run_dir, cfg.train.steps, cfg.logging.progress, wandb_run, first_step)
-
-
 @contextlib.contextmanager
-def _collectives(rank: int, operation: str, timeout_s: int) -> Iterator[None]:
-    """A timed-out or broken collective inside says which rank and which operation."""
+def _collectives(rank: int, operation: str, timeout_s: int,
+                 alert: Optional[Callable[[str], object]] = None) -> Iterator[None]:
+    """A timed-out or broken collective inside says which rank and which operation (and
+    `alert` hears it first)."""
     try:
         yield
     except CollectiveFailure:
         raise
     except Exception as error:
         if is_collective_failure(error):
-            raise name_failure(error, rank, operation, timeout_s) from error
+            failure = name_failure(error, rank, operation, timeout_s)
+            if alert is not None:
+                alert(str(failure))
+            raise failure from error
         raise
 
 
@@ -236,7 +232,18 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         resumed = resume(checkpointer, model, optimizer, scheduler, layout, cfg, denv.rank)
         if resumed is not None:
             progress = resumed[0]
-    logger = _start_logging(cfg, denv, run_dir, progress.step)
+    logger = start_logging(cfg, denv, run_dir, progress.step)
+    logger.start_step = progress.batch_index
+    lg = cfg.logging
+    alerts = Alerts(logger, lg.alert_interval_s)
+    throughput = ThroughputWatch(lg.alert_throughput_fraction, lg.alert_throughput_window)
+    predicted = start_of_run(logger, cfg, built, layout, denv, run_dir, resumed, alerts)
+    # On CPU the prediction is checked against live tensor bytes (RSS includes the interpreter).
+    live_step = lg.live_bytes_step or (progress.step + 2 if predicted and device.type == "cpu"
+                                       else None)
+
+    def timed_out(text: str) -> None:
+        alerts.fire("collective_timeout", progress.step + 1, text, "ERROR", progress.batch_index)
     if denv.is_main:
         with open(os.path.join(run_dir, "plan.json"), "w") as f_plan:
             f_plan.write(plan_to_json(plan))
@@ -265,7 +272,8 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         recompute_s = added_seconds(plan, built.profiles) * layout.grad_accum
 
     def save(step: int) -> None:
-        with _collectives(denv.rank, f"saving the checkpoint of step {step}", t.dist_timeout_s):
+        with _collectives(denv.rank, f"saving the checkpoint of step {step}", t.dist_timeout_s,
+                          timed_out):
             checkpointer.save(step, model, optimizer,
                               train_state(progress, scheduler, layout, cfg, run_dir))
 
@@ -277,10 +285,12 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
 
     def summary() -> None:
         last = checkpointer.last_committed
-        logger.summary(run_summary(time.monotonic() - run_started, first_step, progress,
-                                   t.steps, peak_memory_bytes(device), device.type,
-                                   logger.last, None if last is None else
-                                   checkpoint_path(checkpointer.root, last)))
+        path = None if last is None else checkpoint_path(checkpointer.root, last)
+        seconds, peak_bytes = time.monotonic() - run_started, peak_memory_bytes(device)
+        logger.summary(run_summary(seconds, first_step, progress, t.steps, peak_bytes,
+                                   device.type, logger.last, path))
+        end_of_run(logger, summary_fields(logger, progress, seconds, peak_bytes), path,
+                   last or 0, lg.wandb_checkpoint_refs, alerts)
     startup: dict = {}  # logged with the first step's record
     guard = LossGuard(f.skip_nonfinite, f.max_bad_steps, f.spike_factor, f.spike_window)
     while progress.step < t.steps:
@@ -290,25 +300,30 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
         data_wait_s = time.perf_counter() - started  # ~0 when the batch was read ahead
         loss_fn = injected_loss(task.loss, progress.batch_index, f.inject_nan_at,
                                 f.inject_spike_at, f.inject_hang_at, 2.0 * t.dist_timeout_s,
-                                denv.rank, denv.world_size)
+                                denv.rank, denv.world_size, f.inject_slow_at, f.inject_slow_s)
         lr = scheduler.get_last_lr()[0]
-        live = step_tracker(step == cfg.logging.live_bytes_step, model, optimizer, micro_batches)
+        live = step_tracker(step == live_step, model, optimizer, micro_batches)
         with _collectives(denv.rank, f"step {step} (forward, backward, gradient reduction)",
-                          t.dist_timeout_s), live or contextlib.nullcontext():
+                          t.dist_timeout_s, timed_out), live or contextlib.nullcontext():
             loss, grad_norm, verdict = train_step(model, optimizer, scheduler, micro_batches,
                                                   cfg.optim.grad_clip, meter, built.offloader,
                                                   guard, loss_fn)
         if live is not None:
             logger.record({"step": step, "live_peak_bytes": live.peak}, console=False)
+            watch_memory(logger, alerts, predicted, {"step": step, "live_peak_bytes": live.peak},
+                         lg.alert_memory_margin, progress.batch_index)
         progress.batch_index += 1
         if not verdict.ok:
-            progress = _bad_step(verdict, step, progress, checkpointer, model, optimizer,
-                                 scheduler, guard, logger, f.max_rollbacks)
+            progress = bad_step(verdict, step, progress, checkpointer, model, optimizer,
+                                scheduler, guard, logger, alerts, f.max_rollbacks)
             continue
         progress.step, progress.tokens_seen = step, progress.tokens_seen + tokens_per_step
         step_time = time.perf_counter() - started
         tokens_per_s = tokens_per_step / step_time
         logger.step(step, loss, tokens_per_s)
+        drift = None if live is not None else throughput.check(tokens_per_s)  # live: slowed
+        if drift:
+            alerts.fire("throughput", step, drift, wandb_step=progress.batch_index)
         if step == first_step + 1:  # the cost of starting: building, compiling, first step
             startup = startup_fields(built.build_s, step_time,
                                      time.perf_counter() - built.started, built.compiled_blocks)
@@ -334,10 +349,13 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
             if peak is not None:
                 metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
             logger.record(metrics, wandb_step=progress.batch_index)
+            watch_memory(logger, alerts, predicted, metrics, lg.alert_memory_margin,
+                         progress.batch_index)
         if step % t.eval_every == 0 or step == t.steps:
             logger.record({"step": step, **evaluate(model, val_data, task, device)},
                           wandb_step=progress.batch_index)
-        with _collectives(denv.rank, f"the end-of-step vote of step {step}", t.dist_timeout_s):
+        with _collectives(denv.rank, f"the end-of-step vote of step {step}", t.dist_timeout_s,
+                          timed_out):
             stop, saved = step_vote([preemption.received is not None, checkpointer.local_done()],
                                     device)
             checkpointer.poll(saved)
@@ -354,6 +372,8 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
             status = INTERRUPTED_EXIT if by_hand else cfg.save.preempt_exit_code
             if denv.is_main and not by_hand:  # before the ranks leave: a launcher may act
                 mark_stopped(run_dir, step, stop_reason, cfg.save.preempt_exit_code)
+                alerts.fire("preemption", step, f"stopped by {stop_reason}: saved step {step}, "
+                            f"exiting {status} for a requeue", wandb_step=progress.batch_index)
             logger.info(f"stopping ({'Ctrl-C' if by_hand else stop_reason}): saved step "
                         f"{step}; exiting with status {status} "
                         "(start the same run again to continue)")
@@ -365,33 +385,3 @@ def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
     summary()
     logger.close()
     return 0
-
-
-def _bad_step(verdict: Verdict, step: int, progress: Progress, checkpointer: Checkpointer,
-              model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: LossGuard,
-              logger: RunLogger, max_rollbacks: int) -> Progress:
-    """A step the guard refused: count it; roll back if it asked and a checkpoint exists."""
-    progress.skipped_steps += 1
-    logger.record({"step": step, "skipped_step": 1, "skipped_steps": progress.skipped_steps,
-                   "reason": verdict.reason}, wandb_step=progress.batch_index)
-    if not verdict.rollback:
-        return progress
-    if progress.rollbacks >= max_rollbacks:
-        raise FaultLimit(f"faults.max_rollbacks: {max_rollbacks} rollbacks already, and again "
-                           f"{verdict.reason} at step {step}; lower optim.lr or inspect the data")
-    restored = rollback(checkpointer, model, optimizer, scheduler, progress)
-    if restored is None:
-        if guard.bad_in_a_row >= guard.max_bad:
-            raise FaultLimit(f"faults.max_bad_steps: {guard.bad_in_a_row} bad steps in a row "
-                               f"({verdict.reason}) and no checkpoint to roll back to; lower "
-                               "optim.lr, or save earlier with save.every")
-        logger.info(f"step {step}: {verdict.reason}; no checkpoint to roll back to, the update "
-                    "was skipped")
-        return progress
-    guard.reset()
-    logger.record({"step": restored.step, "rollback_from_step": step,
-                   "rollbacks": restored.rollbacks, "reason": verdict.reason},
-                  wandb_step=progress.batch_index)
-    logger.info(f"rolled back from step {step} to the checkpoint of step {restored.step} "
-                f"({verdict.reason}); the batches read since are skipped")
-    return restored

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import resource
 from typing import Optional
@@ -67,7 +68,12 @@ class RunLogger:
                  wandb_run=None, first_step: int = 0):
         self.enabled = run_dir is not None
         self.wandb = wandb_run
+        self.name = os.path.basename(os.path.normpath(run_dir)) if run_dir else ""
         self.last: dict = {}  # the latest value of every metric recorded, for the summary
+        self.best: dict = {}  # the best val_loss so far
+        # W&B's step for what is logged once at start (tables, pictures): W&B drops points
+        # below its current step, which a resumed run has already passed.
+        self.start_step = 0
         self._file = None
         self._bar = None
         if not self.enabled:
@@ -99,6 +105,8 @@ class RunLogger:
         if not self.enabled:
             return
         self.last.update(metrics)
+        if "val_loss" in metrics:
+            self.best["val_loss"] = min(self.best.get("val_loss", math.inf), metrics["val_loss"])
         self._file.write(json.dumps(metrics) + "\n")
         if console:
             log.info(" | ".join(_format(k, v) for k, v in metrics.items()))
@@ -108,6 +116,20 @@ class RunLogger:
                 logged["opt_step"] = metrics["step"]
             self.wandb.log(logged, step=metrics["step"] if wandb_step is None else wandb_step)
 
+    def alert(self, kind: str, step: int, text: str, level: str, sent: bool,
+              wandb_step: Optional[int] = None) -> None:
+        """One alert (trainer/watch.py decides, and rate-limits `sent`)."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"step": step, "alert": kind, "level": level, "text": text,
+                                     "sent": sent}) + "\n")
+        if sent:
+            log.warning(f"ALERT {kind} (step {step}): {text}")
+        if self.wandb is not None:
+            self.wandb.log({f"alert/{kind}": 1}, step=step if wandb_step is None else wandb_step)
+            if sent:
+                self.wandb.alert(f"blocktrain {kind}: {self.name}", text, level)
+
     def plan(self, table: str, rows: list[dict]) -> None:
         """The per-block plan: printed once at start and kept in W&B as a table."""
         self.table("plan", "per-block plan", table, rows)
@@ -116,7 +138,7 @@ class RunLogger:
         """A table printed once and kept in W&B under `key`."""
         self.info(f"{title}:\n{text}")
         if self.wandb is not None:
-            self.wandb.log_table(key, rows)
+            self.wandb.log_table(key, rows, self.start_step)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -191,3 +213,15 @@ def startup_line(fields: dict, compiled_blocks: int) -> str:
                  "compiled in this process (profiling and evaluation included; blocks of the "
                  "same class and shapes share one)")
     return line
+
+
+def summary_fields(logger: RunLogger, progress, seconds: float, peak_bytes: int) -> dict:
+    """The run's W&B summary: how far, how well, how long, how much memory (MFU on CUDA)."""
+    fields = {"final/loss": logger.last.get("loss"), "final/val_loss": logger.last.get("val_loss"),
+              "final/best_val_loss": logger.best.get("val_loss"),
+              "final/tokens_seen": progress.tokens_seen, "final/step": progress.step,
+              "final/skipped_steps": progress.skipped_steps, "final/time_s": seconds,
+              "final/peak_memory_bytes": peak_bytes}
+    if "mfu" in logger.last:
+        fields["final/mfu"] = logger.last["mfu"]
+    return {k: v for k, v in fields.items() if v is not None}

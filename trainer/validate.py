@@ -265,7 +265,16 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
     for key in ("save.keep", "faults.max_bad_steps", "faults.spike_window"):
         require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
-    for key in ("faults.inject_nan_at", "faults.inject_spike_at", "faults.inject_hang_at"):
+    lg = cfg.logging
+    require(lg.alert_interval_s >= 0, "logging.alert_interval_s",
+            f"must be >= 0 seconds, got {lg.alert_interval_s}")
+    require(0 <= lg.alert_throughput_fraction < 1, "logging.alert_throughput_fraction",
+            f"must be in [0, 1) (0 turns the drift alert off), got {lg.alert_throughput_fraction}")
+    require(lg.alert_throughput_window >= 5, "logging.alert_throughput_window",
+            f"must be >= 5 steps, got {lg.alert_throughput_window}")
+    require(f.inject_slow_s >= 0, "faults.inject_slow_s", f"must be >= 0, got {f.inject_slow_s}")
+    for key in ("faults.inject_nan_at", "faults.inject_spike_at", "faults.inject_hang_at",
+                "faults.inject_slow_at"):
         bad = [b for b in _get(cfg, key) if not (isinstance(b, int) and b >= 0)]
         require(not bad, key, f"data batch indices must be integers >= 0, got {bad}")
     require(f.spike_factor == 0 or f.spike_factor > 1, "faults.spike_factor",

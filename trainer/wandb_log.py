@@ -56,7 +56,8 @@ class WandbLogger:
 
     @classmethod
     def start(cls, run_dir: str, config: dict, project: str, entity: Optional[str],
-              run_name: str, timeout_s: float) -> Optional["WandbLogger"]:
+              run_name: str, timeout_s: float, group: Optional[str] = None,
+              tags: Optional[list[str]] = None) -> Optional["WandbLogger"]:
         try:
             import wandb
         except ImportError:
@@ -74,6 +75,7 @@ class WandbLogger:
         def init():
             return wandb.init(project=project, entity=entity, name=run_name, id=run_id,
                               resume="allow", dir=run_dir, config=config, mode=mode,
+                              group=group, job_type="train", tags=tags or None,
                               settings=wandb.Settings(init_timeout=timeout_s, silent=True))
         try:
             finished, run = _call_with_deadline(init, timeout_s + 5)
@@ -102,7 +104,59 @@ class WandbLogger:
             log.warning("W&B log failed (%s); disabling W&B for this run", exc)
             self.run = None
 
-    def log_table(self, key: str, rows: list[dict]) -> None:
+    def alert(self, title: str, text: str, level: str) -> None:
+        """A W&B alert: sent by e-mail/Slack when online; offline it stays in the run file and
+        goes with `wandb sync`."""
+        if self.run is None:
+            return
+        try:
+            self.run.alert(title=title, text=text, level=level, wait_duration=1)
+        except Exception as exc:
+            log.warning("W&B alert failed (%s)", exc)
+
+    def summary(self, fields: dict) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary.update(fields)
+        except Exception as exc:
+            log.warning("W&B summary failed (%s)", exc)
+
+    def log_media(self, fields: dict, step: int = 0) -> None:
+        """Tables and images: `fields` maps keys to ("table", rows) or ("image", path)."""
+        if self.run is None:
+            return
+        try:
+            import wandb
+
+            logged = {}
+            for key, (kind, value) in fields.items():
+                if kind == "image":
+                    logged[key] = wandb.Image(value)
+                elif value:
+                    columns = list(value[0])
+                    logged[key] = wandb.Table(columns=columns,
+                                              data=[[r.get(c) for c in columns] for r in value])
+            self.run.log(logged, step=step)
+        except Exception as exc:
+            log.warning("W&B media %s failed (%s)", ", ".join(fields), exc)
+
+    def checkpoint_reference(self, path: str, step: int) -> None:
+        """The checkpoint folder as an artifact *by reference*: W&B records where it is and
+        its files' sizes, and uploads nothing."""
+        if self.run is None:
+            return
+        try:
+            import wandb
+
+            artifact = wandb.Artifact(f"checkpoint-{self.run.id}", type="checkpoint",
+                                      metadata={"step": step, "path": path})
+            artifact.add_reference(f"file://{path}", checksum=False)
+            self.run.log_artifact(artifact, aliases=["latest", f"step-{step}"])
+        except Exception as exc:
+            log.warning("W&B checkpoint reference failed (%s)", exc)
+
+    def log_table(self, key: str, rows: list[dict], step: int = 0) -> None:
         if self.run is None or not rows:
             return
         try:
@@ -111,7 +165,7 @@ class WandbLogger:
             columns = list(rows[0])
             self.run.log({key: wandb.Table(columns=columns,
                                            data=[[r[c] for c in columns] for r in rows])},
-                         step=0)
+                         step=step)
         except Exception as exc:
             log.warning("W&B table %s failed (%s)", key, exc)
 
