@@ -48,11 +48,12 @@ def _table(run: dict, key: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory) -> Path:
-    """checkpointing=full, 16 steps: a NaN at batch 3, a slow-down at batch 10, a spike at 12."""
+    """checkpointing=full, 16 steps: a NaN at batch 3, a slow-down at batch 10, a spike at 12
+    (which rolls back to the checkpoint of step 10)."""
     tmp = tmp_path_factory.mktemp("faulty")
     run_dir = tmp / "run"
     result = run_trainer(QUICK + ONLINE + [
-        "train.steps=16", "checkpointing=full", "faults.inject_nan_at=[3]",
+        "train.steps=16", "checkpointing=full", "save.every=5", "faults.inject_nan_at=[3]",
         "faults.inject_slow_at=[10]", "faults.inject_slow_s=1.0", "faults.inject_spike_at=[12]",
         "logging.alert_throughput_window=5", "logging.wandb_checkpoint_refs=true",
         f"hydra.run.dir={run_dir}"], cwd=tmp, env=ENV)
@@ -93,7 +94,8 @@ def test_the_memory_story_reaches_wandb(faulty) -> None:
 def test_faults_and_drift_alert(faulty) -> None:
     [run] = _wandb(faulty)
     fired = {title.split()[1].rstrip(":"): text for title, _, text in run["alerts"]}
-    assert set(fired) == {"nonfinite", "throughput", "loss_spike"}, run["alerts"]
+    assert set(fired) == {"nonfinite", "throughput", "loss_spike", "rollback"}, run["alerts"]
+    assert "to the checkpoint of step 10" in fired["rollback"]
     assert "not finite" in fired["nonfinite"] and "tokens/s" in fired["throughput"]
     assert {"alert/nonfinite", "alert/throughput", "alert/loss_spike"} <= run["keys"]
     events = {m["alert"]: m for m in read_metrics(faulty) if "alert" in m}
@@ -172,3 +174,35 @@ def test_throughput_drift_and_memory_texts() -> None:
     assert memory_text(110, 100, 0.1, "x") is None
     assert "11% above the predicted peak" in memory_text(111, 100, 0.1, "max allocated")
     assert memory_text(500, None, 0.1, "x") is None
+
+
+def test_runs_are_grouped_by_slurm_job(monkeypatch) -> None:
+    from trainer.dashboard import run_group
+
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert run_group()[0] == "slurm-4242"  # a requeued job keeps its id, so its group
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    assert run_group()[0] == "slurm-77"
+
+
+def test_a_misbehaving_wandb_never_fails_the_run() -> None:
+    from trainer.wandb_log import WandbLogger
+
+    class Broken:
+        id = "x"
+        summary = property(lambda self: (_ for _ in ()).throw(RuntimeError("summary")))
+
+        def __getattr__(self, name):
+            def fail(*args, **kwargs):
+                raise RuntimeError(f"W&B {name} broke")
+            return fail
+
+    logger = WandbLogger(Broken())
+    logger.alert("t", "x", "WARN")
+    logger.summary({"a": 1})
+    logger.log_media({"t": ("table", [{"a": 1}])})
+    logger.log_table("plan", [{"a": 1}])
+    logger.checkpoint_reference("/nonexistent", 3)
+    logger.log({"loss": 1.0}, step=1)  # the first failure of log turns W&B off for the run
+    assert logger.run is None
