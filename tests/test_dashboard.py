@@ -4,11 +4,16 @@ faults and drift, one W&B run across a stop and a restart, summary fields, the w
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, check_ok, read_metrics, read_wandb_records, run_trainer
+from tests.helpers import (QUICK, check_ok, read_metrics, read_wandb_records, run_trainer,
+                           subprocess_env)
 from trainer.watch import KINDS, Alerts, ThroughputWatch, memory_text
 
 ONLINE = ["logging.wandb=true", "logging.every=1"]
@@ -106,18 +111,33 @@ def test_faults_and_drift_alert(faulty) -> None:
 
 
 @pytest.mark.slow
-def test_a_stopped_and_restarted_run_is_one_wandb_run(tmp_path) -> None:
+def test_a_preempted_and_requeued_run_is_one_wandb_run(tmp_path) -> None:
+    """SIGTERM mid-run (what Slurm sends before preempting): saved, a `preemption` alert; the
+    same command again continues the same W&B run with a `resumed` alert."""
     run_dir = tmp_path / "run"
-    common = QUICK + ONLINE + ["train.steps=6", "save.every=100", f"hydra.run.dir={run_dir}"]
-    stopped = run_trainer(common + ["train.stop_at_step=3"], cwd=tmp_path, env=ENV)
-    assert stopped.returncode != 0 and (run_dir / "preempted.json").exists()
-    check_ok(run_trainer(common, cwd=tmp_path, env=ENV))
+    command = [sys.executable, "-m", "trainer", *QUICK, *ONLINE, "data=synthetic",
+               "train.steps=40", "save.every=0", "train.eval_every=40", f"hydra.run.dir={run_dir}"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=subprocess_env(ENV), text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not any(
+                m.get("step", 0) >= 3 and "loss" in m for m in read_metrics(run_dir)):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) != 0 and (run_dir / "preempted.json").exists()
+    finally:
+        process.kill()
+    stopped_at = json.loads((run_dir / "preempted.json").read_text())["step"]
+    check_ok(run_trainer(command[3:], cwd=tmp_path, env=ENV))
     first, second = _wandb(run_dir)
     assert first["id"] == second["id"] == (run_dir / "wandb_run_id").read_text().strip()
-    assert [t.split()[1] for t, _, _ in first["alerts"]] == ["preemption:"]
+    assert [(t.split()[1], level) for t, level, _ in first["alerts"]] == [("preemption:", "WARN")]
+    assert "stopped by SIGTERM" in first["alerts"][0][2]
     assert [t.split()[1] for t, _, _ in second["alerts"]] == ["resumed:"]
-    assert "step 3" in second["alerts"][0][2]
-    assert second["summary"]["final/step"] == 6
+    assert f"after the stop at step {stopped_at} (SIGTERM)" in second["alerts"][0][2]
+    assert second["summary"]["final/step"] == 40
 
 
 @pytest.mark.slow
