@@ -72,6 +72,11 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
         from trainer.hf import build_hf_on_meta
 
         return build_hf_on_meta(cfg.hf_config, cfg.path, cfg.attn_implementation)
+    if cfg.arch == "hf_vision":
+        from trainer.hf_vision import build_hf_vision_on_meta
+
+        return build_hf_vision_on_meta(cfg.hf_config, cfg.path, cfg.image_size, cfg.num_classes,
+                                       cfg.channels, cfg.dropout, cfg.attn_implementation)
     if cfg.arch == "vit":
         from trainer.vit import build_vit
 
@@ -101,7 +106,7 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
 
 def model_flops_per_token(cfg: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
     """Training FLOPs per token for MFU (see trainer/model.py's flops_per_token)."""
-    if cfg.arch in ("hf", "vit"):
+    if cfg.arch in ("hf", "vit", "hf_vision"):
         return model.flops_per_token(tokens_per_sample)
     return flops_per_token(llama_args(cfg), tokens_per_sample)
 

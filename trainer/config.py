@@ -238,7 +238,7 @@ def register_schema() -> None:
 
 DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
-    "model.arch": ("llama", "hf", "vit"),
+    "model.arch": ("llama", "hf", "vit", "hf_vision"),
     "data.source": ("bytes", "tokens", "synthetic", "images", "synthetic_images"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),

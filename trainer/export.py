@@ -62,10 +62,17 @@ def export(folder: str, out: str) -> str:
         saved = json.load(f)
     tensors = {name: t.contiguous() for name, t in load_model_state(folder).items()}
     model_cfg = saved["config"]["model"]
-    if model_cfg.get("arch") == "hf":  # back to a folder Hugging Face loads
+    if model_cfg.get("arch") in ("hf", "hf_vision"):  # back to a folder Hugging Face loads
         from trainer.hf import save_pretrained
 
-        save_pretrained(tensors, model_cfg.get("hf_config"), model_cfg.get("path"), out)
+        fields = None
+        if model_cfg.get("arch") == "hf_vision":  # the resolution and classes it was tuned at
+            classes = int(model_cfg["num_classes"])
+            fields = {"image_size": model_cfg["image_size"], "num_labels": classes,
+                      "num_channels": model_cfg["channels"],
+                      "id2label": {i: str(i) for i in range(classes)},
+                      "label2id": {str(i): i for i in range(classes)}}
+        save_pretrained(tensors, model_cfg.get("hf_config"), model_cfg.get("path"), out, fields)
         return out
     os.makedirs(out, exist_ok=True)
     step = saved["progress"]["step"]

@@ -147,14 +147,18 @@ def build_hf_on_meta(hf_config: Any, path: Optional[str], dropout: Optional[floa
 
 
 def save_pretrained(model_state: Mapping[str, torch.Tensor], hf_config: Any,
-                    path: Optional[str], out: str) -> None:
+                    path: Optional[str], out: str, fields: Optional[Mapping] = None) -> None:
     """Write a folder `from_pretrained` loads: config.json (the HF config the model was built
-    from) and model.safetensors (the parameters under their HF names)."""
+    from, with `fields` as the run set them, e.g. a fine-tuned classifier's image size and
+    labels) and model.safetensors (the parameters under their HF names)."""
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
     state = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v.contiguous()
              for k, v in model_state.items()}
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config = _hf_config(hf_config, path)
+    for key, value in (fields or {}).items():
+        setattr(config, key, value)
     with open(os.path.join(out, "config.json"), "w") as f:
-        f.write(_hf_config(hf_config, path).to_json_string())
+        f.write(config.to_json_string())

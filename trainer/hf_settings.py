@@ -46,5 +46,10 @@ def check_hf(cfg: Config) -> None:
         require(isinstance(m.hf_config, dict) and "model_type" in m.hf_config,
                 "model.hf_config", "must be a mapping with model_type, e.g. "
                 "{model_type: llama, hidden_size: 128, num_hidden_layers: 2}")
-    require(m.dropout == 0, "model.dropout",
-            "unused with model.arch=hf; set the HF config's own dropout fields instead")
+    if m.arch == "hf_vision":
+        patch = int(hf_fields(m).get("patch_size", 16))
+        require(m.patch_size == patch, "model.patch_size",
+                f"must be the model's own patch size {patch}, got {m.patch_size}")
+    if m.arch == "hf":
+        require(m.dropout == 0, "model.dropout",
+                "unused with model.arch=hf; set the HF config's own dropout fields instead")

@@ -51,7 +51,7 @@ class Task:
 
 
 def task_for(model: ModelConfig, data: DataConfig) -> Task:
-    if model.arch == "vit":
+    if model.arch in ("vit", "hf_vision"):
         from trainer.vit import class_loss
 
         side = model.image_size // model.patch_size

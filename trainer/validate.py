@@ -113,7 +113,7 @@ def _check_text(cfg: Config) -> None:
 
 def _check_images(cfg: Config) -> None:
     m, d = cfg.model, cfg.data
-    require(m.arch == "vit", "data.source",
+    require(m.arch in ("vit", "hf_vision"), "data.source",
             f"{d.source} are images, which model.arch={m.arch} does not read; use model=vit or "
             "a text source (data=bytes, tokens or synthetic)")
     require(d.source in IMAGE_SOURCES, "data.source",
@@ -124,9 +124,19 @@ def _check_images(cfg: Config) -> None:
     require(m.image_size % m.patch_size == 0, "model.patch_size",
             f"must divide model.image_size={m.image_size}, got {m.patch_size}")
     require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
+    if m.arch == "hf_vision":
+        from trainer.hf_settings import check_hf
+
+        check_hf(cfg)
+        return _check_image_folders(cfg)
     require(m.hf_config is None, "model.hf_config", "only applies to model.arch=hf")
     if m.path is not None:
         _check_pretrained_vit(cfg)
+    _check_image_folders(cfg)
+
+
+def _check_image_folders(cfg: Config) -> None:
+    d = cfg.data
     if d.source != "images":
         return
     for key in ("data.train_path", "data.val_path"):
@@ -295,7 +305,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     require(m.dim % m.n_heads == 0, "model.n_heads",
             f"must divide model.dim={m.dim}, got {m.n_heads}")
     images = cfg.data.source in IMAGE_SOURCES
-    if m.arch == "vit" or images:
+    if m.arch in ("vit", "hf_vision") or images:
         _check_images(cfg)
     else:
         _check_text(cfg)

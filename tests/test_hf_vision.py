@@ -1,0 +1,115 @@
+"""Hugging Face image classifiers (`model=hf_vision`): the same plan applies (every policy
+bitwise, 1 and 2 ranks), and a saved "pretrained" folder fine-tunes at a higher resolution."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from checkpointing.saved import SavedBytesMeter
+from tests.checkpoint_harness import assert_policies_bitwise, train_steps
+from tests.dist import spawn
+from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
+from tests.test_vit import POLICIES, image_batch
+from trainer.build import build_model
+from trainer.distenv import init_distributed, read_env, shutdown
+from trainer.vit import classification_loss
+
+VIT = ("{model_type: vit, hidden_size: 32, num_hidden_layers: 4, num_attention_heads: 2, "
+       "intermediate_size: 64, patch_size: 8}")
+# 32x32 images in 8x8 patches (16 tokens + the class token), HF ViT's dropouts on.
+SMALL = ["model=hf_vision", f"model.hf_config={VIT}", "model.image_size=32",
+         "model.patch_size=8", "model.num_classes=10", "model.dropout=0.1",
+         "train.micro_batch_size=4", "checkpointing.profile_repeats=1"]
+
+
+def _run(overrides: list[str], steps: int, rank: int):
+    cfg = config(*overrides)
+    meter = SavedBytesMeter()
+    torch.manual_seed(7 + rank)
+    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter)
+    losses, grads, _ = train_steps(built, meter, cfg.optim, steps, rank,
+                                   make_batch=lambda s, r: image_batch(cfg, s, r),
+                                   loss_fn=classification_loss)
+    return losses, grads, [p.recompute for p in built.plan], meter.peak
+
+
+def _all_policies(rank: int, world_size: int) -> list:
+    return [_run(SMALL + o, steps=3, rank=rank) for o in POLICIES]
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    init_distributed(read_env("cpu"), timeout_s=60)
+    yield
+    shutdown()
+
+
+def test_hf_vit_blocks_are_found_and_every_policy_is_bitwise_one_rank(world_of_one) -> None:
+    results = _all_policies(0, 1)
+    assert_policies_bitwise(results, POLICIES)
+    assert len(results[1][2]) == 4  # the 4 encoder layers, found as the repeated blocks
+
+
+@pytest.mark.slow
+def test_hf_vit_every_policy_is_bitwise_two_ranks_fsdp() -> None:
+    for results in spawn(_all_policies, 2):
+        assert_policies_bitwise(results, POLICIES)
+
+
+def _pretrained_folder(tmp_path, image_size: int, num_classes: int):
+    """A "pretrained" HF ViT saved at 64 px: what save_pretrained writes, no download."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    hf = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=64, patch_size=16, image_size=image_size,
+                   num_labels=num_classes)
+    torch.manual_seed(0)
+    model = ViTForImageClassification(hf)
+    model.save_pretrained(tmp_path / "pretrained")
+    return tmp_path / "pretrained", model
+
+
+@pytest.mark.slow
+def test_fine_tuning_a_saved_model_at_a_higher_resolution(tmp_path) -> None:
+    folder, pretrained = _pretrained_folder(tmp_path, image_size=64, num_classes=1000)
+    run_dir = tmp_path / "run"
+    result = run_trainer(QUICK + [
+        "model=hf_vision", f"model.path={folder}", "model.image_size=128", "model.num_classes=4",
+        "train.micro_batch_size=8", "train.steps=40", "train.eval_every=40",
+        "train.eval_batches=4", "optim.lr=1e-3", "checkpointing=full", "logging.every=10",
+        f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=600)
+    check_ok(result)
+    assert "the pretrained classifier.weight has shape (1000, 32)" in (
+        run_dir / "train.log").read_text()
+    # Every weight but the positions and the head loaded unchanged; the positions were resized
+    # from the 4x4 grid to 8x8; the run learned (4 classes: chance is 0.25).
+    from trainer.export import export
+
+    out = export(str(run_dir / "checkpoints" / "step_00000040"), str(tmp_path / "export"))
+    from transformers import ViTForImageClassification
+
+    tuned = ViTForImageClassification.from_pretrained(out, local_files_only=True)
+    assert tuned.config.image_size == 128 and tuned.config.num_labels == 4
+    assert tuned.vit.embeddings.position_embeddings.shape == (1, 65, 32)
+    val = [m["val_accuracy"] for m in read_metrics(run_dir) if "val_accuracy" in m]
+    assert val[-1] > 0.5, val
+
+    # At step 0 (before any update) the weights are the saved ones: build and compare.
+    cfg = config("model=hf_vision", f"model.path={folder}", "model.image_size=128",
+                 "model.num_classes=4", "sharding=none")
+    from trainer.build import build_on_meta, materialize
+
+    model = build_on_meta(cfg.model)
+    materialize(model, torch.device("cpu"), cfg.train.seed)
+    saved = dict(pretrained.named_parameters())
+    for name, param in model.named_parameters():
+        hf_name = name[len("hf."):]
+        if "position_embeddings" in hf_name or hf_name.startswith("classifier."):
+            continue
+        assert torch.equal(param, saved[hf_name]), hf_name
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "vit"
