@@ -113,3 +113,23 @@ def test_fine_tuning_a_saved_model_at_a_higher_resolution(tmp_path) -> None:
             continue
         assert torch.equal(param, saved[hf_name]), hf_name
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "vit"
+
+
+@pytest.mark.slow
+def test_report_predicts_a_1024px_hf_vit_step_under_full(tmp_path) -> None:
+    """The pre-flight report's memory model (run for the dashboard: memory_plan.json) against
+    the live tensor bytes of a measured CPU step, HF ViT at 1024 x 1024 (4096 patch tokens)."""
+    run_dir = tmp_path / "run"
+    wide = ("{model_type: vit, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 2, "
+            "intermediate_size: 256, patch_size: 16}")
+    check_ok(run_trainer(QUICK + [
+        "model=hf_vision", f"model.hf_config={wide}", "model.image_size=1024",
+        "model.patch_size=16", "model.dropout=0.1", "train.micro_batch_size=1",
+        "train.steps=2", "checkpointing=full", "logging.wandb=true", "logging.live_bytes_step=2",
+        "sharding=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+        env={"WANDB_MODE": "offline"}, timeout=600))
+    predicted = json.loads((run_dir / "memory_plan.json").read_text())
+    [live] = [m["live_peak_bytes"] for m in read_metrics(run_dir) if "live_peak_bytes" in m]
+    peak = predicted["per_rank_bytes"]["predicted_peak"]
+    print(f"HF ViT 1024px full: predicted {peak / 2**20:.1f} MiB, measured {live / 2**20:.1f} MiB")
+    assert live == pytest.approx(peak, rel=0.02)
