@@ -133,3 +133,37 @@ def test_report_predicts_a_1024px_hf_vit_step_under_full(tmp_path) -> None:
     peak = predicted["per_rank_bytes"]["predicted_peak"]
     print(f"HF ViT 1024px full: predicted {peak / 2**20:.1f} MiB, measured {live / 2**20:.1f} MiB")
     assert live == pytest.approx(peak, rel=0.02)
+
+
+def test_images_follow_the_pretrained_models_preprocessing(tmp_path) -> None:
+    """A folder with preprocessor_config.json (mean/std 0.5, bilinear) sets how images are
+    scaled for model=hf_vision; without one, ImageNet statistics and bicubic."""
+    import numpy as np
+    from PIL import Image
+    from transformers import ViTImageProcessor
+
+    from trainer.config import DataConfig
+    from trainer.task import build_task_datasets
+
+    folder, _ = _pretrained_folder(tmp_path, image_size=32, num_classes=2)
+    ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                      resample=2).save_pretrained(folder)
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (tmp_path / split / label).mkdir(parents=True)
+            Image.fromarray(pixels).save(tmp_path / split / label / "0.png")
+    data = DataConfig(source="images", train_path=str(tmp_path / "train"),
+                      val_path=str(tmp_path / "val"))
+    expected = (pixels.astype(np.float32) / 255.0 - 0.5) / 0.5  # 32 px: no resize
+    for path, mean in ((str(folder), 0.5), (None, None)):
+        model = config("model=hf_vision", "model.image_size=32", "model.num_classes=2",
+                       f"model.path={path}" if path else f"model.hf_config={VIT}").model
+        train, _ = build_task_datasets(model, data, 0, 0)
+        image, _ = train[0]
+        if mean is not None:
+            assert train.resample == 2
+            assert torch.allclose(image, torch.from_numpy(expected.transpose(2, 0, 1)))
+        else:
+            assert train.resample == 3 and train.mean.tolist() == pytest.approx([0.485, 0.456,
+                                                                                  0.406])

@@ -44,8 +44,9 @@ class ImageFolder:
 
     Images are decoded with Pillow, converted to RGB (or L for one channel), resized so the
     shorter side is `image_size`, centre-cropped to a square and scaled by the ImageNet
-    statistics. `classes` fixes the label numbering (the validation folder uses the training
-    folder's).
+    statistics, or by the model's own (`preprocess`: image_mean, image_std and a Pillow
+    `resample` code, from a pretrained folder's preprocessor_config.json). `classes` fixes the
+    label numbering (the validation folder uses the training folder's).
 
     With `augment`, training samples (`sample(index, draw)`) are instead a random crop of 8% to
     100% of the image's area at an aspect ratio from 3/4 to 4/3, resized to the square, and
@@ -56,7 +57,11 @@ class ImageFolder:
 
     def __init__(self, root: str, image_size: int, channels: int, key: str,
                  classes: list[str] | None = None, augment: bool = False, seed: int = 0,
-                 skip_bad: bool = False) -> None:
+                 skip_bad: bool = False, preprocess: dict | None = None) -> None:
+        preprocess = preprocess or {}
+        self.mean = np.asarray(preprocess.get("image_mean", MEAN), dtype=np.float32)
+        self.std = np.asarray(preprocess.get("image_std", STD), dtype=np.float32)
+        self.resample = int(preprocess.get("resample", 3))  # 3: Pillow's bicubic
         if not os.path.isdir(root):
             raise ValueError(f"{key}: no such folder: {root}")
         found = class_folders(root)
@@ -124,18 +129,18 @@ class ImageFolder:
             if rng is None:
                 scale = size / min(width, height)
                 resized = (max(size, round(width * scale)), max(size, round(height * scale)))
-                image = image.resize(resized, Image.Resampling.BICUBIC)
+                image = image.resize(resized, Image.Resampling(self.resample))
                 left, top = (resized[0] - size) // 2, (resized[1] - size) // 2
                 image = image.crop((left, top, left + size, top + size))
             else:
-                image = image.resize((size, size), Image.Resampling.BICUBIC,
+                image = image.resize((size, size), Image.Resampling(self.resample),
                                      box=_random_box(width, height, rng))
                 if rng.random() < 0.5:
                     image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             pixels = np.asarray(image, dtype=np.float32) / 255.0
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
-        return _normalise(pixels.transpose(2, 0, 1)), label
+        return _normalise(pixels.transpose(2, 0, 1), self.mean, self.std), label
 
 
 def _random_box(width: int, height: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
@@ -152,12 +157,13 @@ def _random_box(width: int, height: int, rng: np.random.Generator) -> tuple[int,
     return left, top, left + side, top + side
 
 
-def _normalise(pixels: np.ndarray) -> torch.Tensor:
+def _normalise(pixels: np.ndarray, mean: np.ndarray = MEAN, std: np.ndarray = STD
+               ) -> torch.Tensor:
     import torch
 
     channels = pixels.shape[0]
-    mean = MEAN[:channels] if channels == 3 else MEAN.mean(keepdims=True)
-    std = STD[:channels] if channels == 3 else STD.mean(keepdims=True)
+    mean = mean[:channels] if len(mean) == channels else mean.mean(keepdims=True)
+    std = std[:channels] if len(std) == channels else std.mean(keepdims=True)
     return torch.from_numpy(np.ascontiguousarray((pixels - mean[:, None, None]) /
                                                  std[:, None, None]))
 
@@ -197,7 +203,8 @@ class SyntheticImages:
 
 def image_datasets(source: str, image_size: int, channels: int, num_classes: int, seed: int,
                    train_path: str | None, val_path: str | None, augment: bool,
-                   skip_bad: bool = False) -> tuple[ImageFolder | SyntheticImages, ...]:
+                   skip_bad: bool = False, preprocess: dict | None = None
+                   ) -> tuple[ImageFolder | SyntheticImages, ...]:
     """(train, val) for data.source in {'images', 'synthetic_images'}."""
     if source == "synthetic_images":
         return (SyntheticImages(num_classes, image_size, channels, SYNTHETIC_TRAIN_IMAGES, seed, 0),
@@ -205,11 +212,11 @@ def image_datasets(source: str, image_size: int, channels: int, num_classes: int
     if source != "images":
         raise ValueError(f"data.source={source} is not an image source")
     train = ImageFolder(train_path, image_size, channels, "data.train_path", augment=augment,
-                        seed=seed, skip_bad=skip_bad)
+                        seed=seed, skip_bad=skip_bad, preprocess=preprocess)
     if len(train.classes) != num_classes:
         raise ValueError(f"model.num_classes={num_classes} but {train_path} has "
                          f"{len(train.classes)} class folders; set model.num_classes="
                          f"{len(train.classes)}")
     val = ImageFolder(val_path, image_size, channels, "data.val_path", classes=train.classes,
-                      skip_bad=skip_bad)
+                      skip_bad=skip_bad, preprocess=preprocess)
     return train, val

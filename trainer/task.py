@@ -67,9 +67,14 @@ def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, s
     if data.source in IMAGE_SOURCES:
         from trainer.images import image_datasets
 
+        preprocess = None
+        if model.arch == "hf_vision":  # the pretrained model's own mean, std and resampling
+            from trainer.hf_vision import preprocessing
+
+            preprocess = preprocessing(model.path)
         return image_datasets(data.source, model.image_size, model.channels, model.num_classes,
                               seed, data.train_path, data.val_path, data.augment,
-                              data.skip_bad_images)
+                              data.skip_bad_images, preprocess)
     from trainer.data import build_datasets
 
     train, val, _ = build_datasets(data.source, data.seq_len, vocab_size, seed, data.train_path,
