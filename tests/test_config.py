@@ -32,7 +32,8 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
             (tmp_path / "val.bin").write_bytes(bytes(4096))
             overrides += [f"data.train_path={tmp_path / 'train.bin'}",
                           f"data.val_path={tmp_path / 'val.bin'}"]
-        if group == "model" and option != "tiny" and not option.startswith("vit"):
+        if group == "model" and option not in ("tiny", "hf_vision") and \
+                not option.startswith("vit"):  # image models keep their image data
             overrides.append("data.source=synthetic")
         if (group, option) == ("data", "images"):  # a folder per split, one image per class
             from PIL import Image
@@ -48,6 +49,8 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
             overrides.append("model=vit_tiny")
         if (group, option) == ("model", "hf"):  # needs a model: one built from a config
             overrides.append("model.hf_config={model_type: llama, num_hidden_layers: 2}")
+        if (group, option) == ("model", "hf_vision"):
+            overrides.append("model.hf_config={model_type: vit, num_hidden_layers: 2}")
         if (group, option) == ("checkpointing", "file"):  # needs a plan.json
             (tmp_path / "plan.json").write_text("[]")
             overrides.append(f"checkpointing.plan_file={tmp_path / 'plan.json'}")
