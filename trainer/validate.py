@@ -136,7 +136,7 @@ def _check_images(cfg: Config) -> None:
 
 
 def _check_image_folders(cfg: Config) -> None:
-    d = cfg.data
+    m, d = cfg.model, cfg.data
     if d.source != "images":
         return
     for key in ("data.train_path", "data.val_path"):
