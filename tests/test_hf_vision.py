@@ -82,7 +82,7 @@ def test_fine_tuning_a_saved_model_at_a_higher_resolution(tmp_path) -> None:
         "model=hf_vision", f"model.path={folder}", "model.image_size=128", "model.num_classes=4",
         "train.micro_batch_size=8", "train.steps=40", "train.eval_every=40",
         "train.eval_batches=4", "optim.lr=1e-3", "checkpointing=full", "logging.every=10",
-        "model.freeze=[hf.vit.embeddings.patch_embeddings.*]", f"hydra.run.dir={run_dir}"],
+        "model.freeze=[hf.vit.layers.0.layernorm_before.*]", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, timeout=600)
     check_ok(result)
     assert "the pretrained classifier.weight has shape (1000, 32)" in (
@@ -97,8 +97,8 @@ def test_fine_tuning_a_saved_model_at_a_higher_resolution(tmp_path) -> None:
     tuned = ViTForImageClassification.from_pretrained(out, local_files_only=True)
     assert tuned.config.image_size == 128 and tuned.config.num_labels == 4
     assert tuned.vit.embeddings.position_embeddings.shape == (1, 65, 32)
-    frozen = tuned.vit.embeddings.patch_embeddings.projection.weight  # model.freeze held it
-    assert torch.equal(frozen, pretrained.vit.embeddings.patch_embeddings.projection.weight)
+    frozen = tuned.vit.layers[0].layernorm_before.weight  # model.freeze held it
+    assert torch.equal(frozen, pretrained.vit.layers[0].layernorm_before.weight)
     assert not torch.equal(tuned.vit.layers[0].attention.q_proj.weight,
                            pretrained.vit.layers[0].attention.q_proj.weight)
     val = [m["val_accuracy"] for m in read_metrics(run_dir) if "val_accuracy" in m]
