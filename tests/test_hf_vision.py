@@ -131,7 +131,8 @@ def test_report_predicts_a_1024px_hf_vit_step_under_full(tmp_path) -> None:
         "model=hf_vision", f"model.hf_config={wide}", "model.image_size=1024",
         "model.patch_size=16", "model.dropout=0.1", "train.micro_batch_size=1",
         "train.steps=2", "checkpointing=full", "logging.wandb=true", "logging.live_bytes_step=2",
-        "sharding=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+        "sharding=none", "checkpointing.profile_repeats=1", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
         env={"WANDB_MODE": "offline"}, timeout=600))
     predicted = json.loads((run_dir / "memory_plan.json").read_text())
     [live] = [m["live_peak_bytes"] for m in read_metrics(run_dir) if "live_peak_bytes" in m]
