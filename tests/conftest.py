@@ -24,3 +24,15 @@ def launch_reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("launch-reference")
     check_ok(run_trainer([*LAUNCH_RUN, f"hydra.run.dir={run_dir}"], REPO, nproc=2))
     return run_dir
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """An in-process gloo group of one rank (no torchrun environment), torn down after."""
+    from trainer.distenv import init_distributed, read_env, shutdown
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    init_distributed(read_env("cpu"), timeout_s=60)
+    yield
+    shutdown()

@@ -15,7 +15,7 @@ from tests.checkpoint_harness import SMALL, train_steps
 from tests.dist import spawn
 from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
 from trainer.build import build_model
-from trainer.distenv import init_distributed, read_env, shutdown
+from trainer.distenv import read_env
 
 COMPILED = ["train.compile=true", "offload.min_bytes=0", "offload.keep_last=1"]
 # The budget is a fraction of *compiled* no-checkpoint bytes, which are fewer than eager ones.
@@ -24,15 +24,6 @@ POLICIES = [["checkpointing=none"], ["checkpointing=full"], ["checkpointing=ever
             ["checkpointing=budget", "checkpointing.budget=0.6"],
             ["checkpointing=compiler", "checkpointing.budget=0.4"]]
 TARGETS = ("none", "cpu", "disk")
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        monkeypatch.delenv(key, raising=False)
-    init_distributed(read_env("cpu"), timeout_s=60)
-    yield
-    shutdown()
 
 
 def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
@@ -74,7 +65,7 @@ def _check(results: dict, dropout: bool) -> None:
 
 
 @pytest.mark.slow
-def test_every_policy_and_target_bitwise_compiled_one_rank(one_rank, tmp_path) -> None:
+def test_every_policy_and_target_bitwise_compiled_one_rank(world_of_one, tmp_path) -> None:
     _check(_grid(0, 1, str(tmp_path), ["model.dropout=0.1"]), dropout=True)
     assert not any(files for _, _, files in os.walk(tmp_path))  # every offload file is gone
 
@@ -87,7 +78,7 @@ def test_every_policy_and_target_bitwise_compiled_two_ranks(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_compiler_placement_is_bitwise_without_dropout(one_rank, tmp_path) -> None:
+def test_compiler_placement_is_bitwise_without_dropout(world_of_one, tmp_path) -> None:
     results = {}
     for p in (["checkpointing=none"], ["checkpointing=compiler", "checkpointing.budget=0.2"],
               ["checkpointing=compiler", "checkpointing.budget=0.7"],
@@ -125,7 +116,7 @@ def _graph_saved_bytes(loss: torch.Tensor) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
-def test_saved_bytes_are_what_the_compiled_backward_keeps(one_rank, tmp_path, policy) -> None:
+def test_saved_bytes_are_what_the_compiled_backward_keeps(world_of_one, tmp_path, policy) -> None:
     from trainer.model import lm_loss
     from tests.checkpoint_harness import token_batch
 
@@ -142,7 +133,7 @@ def test_saved_bytes_are_what_the_compiled_backward_keeps(one_rank, tmp_path, po
 
 
 @pytest.mark.slow
-def test_identical_blocks_compile_once(one_rank, tmp_path) -> None:
+def test_identical_blocks_compile_once(world_of_one, tmp_path) -> None:
     from trainer.model import lm_loss
     from tests.checkpoint_harness import token_batch
 

@@ -8,14 +8,10 @@ import json
 import pytest
 import torch
 
-from checkpointing.saved import SavedBytesMeter
-from tests.checkpoint_harness import assert_policies_bitwise, train_steps
+from tests.checkpoint_harness import assert_policies_bitwise
 from tests.dist import spawn
 from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
-from tests.test_vit import POLICIES, image_batch
-from trainer.build import build_model
-from trainer.distenv import init_distributed, read_env, shutdown
-from trainer.vit import classification_loss
+from tests.test_vit import POLICIES, _run
 
 VIT = ("{model_type: vit, hidden_size: 32, num_hidden_layers: 4, num_attention_heads: 2, "
        "intermediate_size: 64, patch_size: 8}")
@@ -25,28 +21,8 @@ SMALL = ["model=hf_vision", f"model.hf_config={VIT}", "model.image_size=32",
          "train.micro_batch_size=4", "checkpointing.profile_repeats=1"]
 
 
-def _run(overrides: list[str], steps: int, rank: int):
-    cfg = config(*overrides)
-    meter = SavedBytesMeter()
-    torch.manual_seed(7 + rank)
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter)
-    losses, grads, _ = train_steps(built, meter, cfg.optim, steps, rank,
-                                   make_batch=lambda s, r: image_batch(cfg, s, r),
-                                   loss_fn=classification_loss)
-    return losses, grads, [p.recompute for p in built.plan], meter.peak
-
-
 def _all_policies(rank: int, world_size: int) -> list:
     return [_run(SMALL + o, steps=3, rank=rank) for o in POLICIES]
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        monkeypatch.delenv(key, raising=False)
-    init_distributed(read_env("cpu"), timeout_s=60)
-    yield
-    shutdown()
 
 
 def test_hf_vit_blocks_are_found_and_every_policy_is_bitwise_one_rank(world_of_one) -> None:

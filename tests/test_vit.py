@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpointing.saved import SavedBytesMeter
-from trainer.distenv import init_distributed, read_env, shutdown
+from trainer.distenv import read_env
 from tests.checkpoint_harness import assert_policies_bitwise, train_steps
 from tests.dist import spawn
 from tests.helpers import config
@@ -44,15 +44,6 @@ def _run(overrides: list[str], steps: int, rank: int):
 
 def _all_policies(rank: int, world_size: int) -> list:
     return [_run(SMALL + o, steps=3, rank=rank) for o in POLICIES]
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        monkeypatch.delenv(key, raising=False)
-    init_distributed(read_env("cpu"), timeout_s=60)
-    yield
-    shutdown()
 
 
 def test_vit_blocks_are_found_and_every_policy_is_bitwise_one_rank(world_of_one) -> None:

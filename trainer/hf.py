@@ -85,7 +85,10 @@ def _masks_as_in_training() -> Iterator[None]:
             masking.find_packed_sequence_indices = original
 
 
-class HFCausalLM(nn.Module):
+class HFWrapper(nn.Module):
+    """What every HF wrapper shares: the model under `hf.`, its init scale, the pretrained
+    reader, and real buffer values restored after to_empty() wipes them."""
+
     def __init__(self, hf_model: nn.Module, checkpoint: Optional[str] = None) -> None:
         super().__init__()
         self.hf = hf_model
@@ -93,6 +96,15 @@ class HFCausalLM(nn.Module):
         self._buffer_values = {name: b.detach().clone() for name, b in self.named_buffers()}
         self._std = float(getattr(hf_model.config, "initializer_range", 0.02))
         self._reader = SafetensorsReader(checkpoint) if checkpoint else None
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        for name, value in self._buffer_values.items():
+            buffer = self.get_buffer(name)
+            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+
+
+class HFCausalLM(HFWrapper):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.device.type == "meta":
@@ -126,12 +138,6 @@ class HFCausalLM(nn.Module):
             full.zero_()
         else:  # norm scales
             full.fill_(1.0)
-
-    @torch.no_grad()
-    def reset_buffers(self) -> None:
-        for name, value in self._buffer_values.items():
-            buffer = self.get_buffer(name)
-            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
 
 
 def build_hf_on_meta(hf_config: Any, path: Optional[str], dropout: Optional[float] = None,

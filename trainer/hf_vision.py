@@ -22,9 +22,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from trainer.hf import PREFIX, HFModelError, _hf_config, _parameters_on_meta
+from trainer.hf import PREFIX, HFModelError, HFWrapper, _hf_config, _parameters_on_meta
 from trainer.vit import resize_positions
-from trainer.weights import SafetensorsReader
 
 log = logging.getLogger("trainer")
 # Where ViT-family models keep their learned position table ([1, 1 + grid*grid, dim]).
@@ -63,13 +62,9 @@ def _is_head(hf_model: nn.Module, hf_name: str) -> bool:
                                     for n, _ in head.named_parameters())
 
 
-class HFImageClassifier(nn.Module):
+class HFImageClassifier(HFWrapper):
     def __init__(self, hf_model: nn.Module, checkpoint: Optional[str] = None) -> None:
-        super().__init__()
-        self.hf = hf_model
-        self._buffer_values = {name: b.detach().clone() for name, b in self.named_buffers()}
-        self._std = float(getattr(hf_model.config, "initializer_range", 0.02))
-        self._reader = SafetensorsReader(checkpoint) if checkpoint else None
+        super().__init__(hf_model, checkpoint)
         self._saved_as = (checkpoint_names(hf_model, self._reader._where)
                           if self._reader is not None else {})
 
@@ -109,12 +104,6 @@ class HFImageClassifier(nn.Module):
             full.zero_()
         else:  # norm scales, layer scales
             full.fill_(1.0)
-
-    @torch.no_grad()
-    def reset_buffers(self) -> None:
-        for name, value in self._buffer_values.items():
-            buffer = self.get_buffer(name)
-            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
 
 
 def build_hf_vision_on_meta(hf_config: Any, path: Optional[str], image_size: int,

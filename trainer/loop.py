@@ -41,7 +41,7 @@ from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSign
                             injected_loss, is_collective_failure, name_failure, step_vote)
 from trainer.dashboard import end_of_run, start_logging, start_of_run, watch_memory
 from trainer.watch import Alerts, ThroughputWatch, bad_step
-from trainer.metrics import (RunLogger, device_used_bytes, peak_flops, peak_memory_bytes,
+from trainer.metrics import (device_used_bytes, peak_flops, peak_memory_bytes,
                              peak_reserved_bytes, run_summary, startup_fields, startup_line,
                              summary_fields)
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
