@@ -253,16 +253,21 @@ def _plan_chain(profile: MetaProfile, plan: Sequence[BlockPlan],
     return saved, peaks
 
 
+def as_modelled(plan: Sequence[BlockPlan]) -> list[BlockPlan]:
+    """The plan as the memory model sees it. A block whose recompute the compiler places
+    ("compiler") counts as keeping everything: its placement is only known when it compiles,
+    and it keeps at most that (an upper bound)."""
+    return [dataclasses.replace(p, recompute="none") if p.recompute == "compiler" else p
+            for p in plan]
+
+
 def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[BlockPlan],
              setup: Setup) -> Estimate:
     """Per-rank bytes of every phase of a step under `plan`, and the largest phase.
 
     Activations follow the chain formula (checkpointing/planner.py): while element i (embedding
-    stage, block, head) runs, S_<i + K_i; a block's reduce-scatter holds S_<i.
-    A block whose recompute the compiler places ("compiler") is counted as keeping everything:
-    its placement is only known when it compiles, and it keeps at most that (an upper bound)."""
-    plan = [dataclasses.replace(p, recompute="none") if p.recompute == "compiler" else p
-            for p in plan]
+    stage, block, head) runs, S_<i + K_i; a block's reduce-scatter holds S_<i."""
+    plan = as_modelled(plan)
     fixed = fixed_phases(groups, profile, setup)
     saved, peaks = _plan_chain(profile, plan, setup)
     held, terms = 0, []

@@ -134,7 +134,7 @@ def choose_plan(policy: str, block_names: Sequence[str], shard: bool, every: int
 
 def added_seconds(plan: Sequence[BlockPlan], profiles: Sequence[BlockProfile]) -> float:
     """Profiled recompute seconds per micro-batch for this plan."""
-    return sum(p.cost_s.get(b.recompute, 0.0) for b, p in zip(plan, profiles, strict=True))
+    return sum(p.cost_s[b.recompute] for b, p in zip(plan, profiles, strict=True))
 
 
 def predicted_saved_bytes(plan: Sequence[BlockPlan], profiles: Sequence[BlockProfile],

@@ -23,6 +23,7 @@ import logging
 import os
 from typing import Optional
 
+from checkpointing.profile import OPTIONS
 from trainer.config import Config
 from trainer.distenv import DistEnv
 from trainer.metrics import RunLogger
@@ -30,7 +31,6 @@ from trainer.state import STOPPED_MARKER
 from trainer.watch import Alerts, memory_text
 
 log = logging.getLogger("trainer")
-OPTIONS = ("none", "selective", "full")
 
 
 def run_group() -> tuple[Optional[str], dict]:

@@ -13,9 +13,10 @@ from typing import Optional
 
 import torch
 
-from checkpointing.memory import Estimate, ParamGroup, Setup, estimate, param_groups
+from checkpointing.memory import (Estimate, ParamGroup, Setup, as_modelled, estimate,
+                                 param_groups)
 from checkpointing.metatrace import MetaProfile, cast_like_fsdp, profile_on_meta
-from checkpointing.plan import BlockPlan, with_offload
+from checkpointing.plan import BlockPlan, make_plan as plan_of, with_offload
 from checkpointing.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
@@ -100,8 +101,9 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
 
         return read_plan(c.plan_file, names, shard, scenario.cfg.train.compile), None
     assert c.policy != "auto", "checkpointing=auto plans through trainer/autofit.py"
-    if c.policy == "compiler":  # decided inside the compiled graph: bounded by keeping all
-        return with_offload(choose_plan("none", names, shard), o.target, o.keep_last), None
+    if c.policy == "compiler":  # decided inside the compiled graph; evaluate() bounds it
+        plan = plan_of(names, ["compiler"] * len(names), shard)
+        return with_offload(plan, o.target, o.keep_last), None
     profiles = block_profiles(profile, seconds_per_flop)
     budget, offload = None, None
     if c.policy == "budget":
@@ -161,6 +163,7 @@ class Evaluator:
         budget = None
         if plan is None:
             plan, budget = make_plan(scenario, profile, self.seconds_per_flop)
+        plan = as_modelled(plan)  # what the tables and the picture show is what was estimated
         setup = self.setup(scenario)
         return Outcome(scenario, plan, estimate(groups, profile, plan, setup), profile, groups,
                        budget, self.seconds_per_flop)
