@@ -232,3 +232,22 @@ def test_plan_file_with_compiler_blocks_needs_compile(tmp_path) -> None:
     path.write_text(json.dumps([{**r, "memory_budget": None} for r in rows]))
     with pytest.raises(ConfigError, match="memory_budget between 0 and 1"):
         read_plan(str(path), ["layers.0", "layers.1"], True, compiled=True)
+
+
+def test_a_plan_with_compiler_blocks_is_predicted_as_keeping_everything(tmp_path) -> None:
+    """The report (and the dashboard's prediction) bound a compiler-placed block by `none`."""
+    from checkpointing.plan import BlockPlan
+    from trainer.cli import check
+    from trainer.plot import plot_plan
+    from trainer.scenario import Evaluator, Scenario
+
+    cfg, layout = check(["data.seq_len=64", "train.micro_batch_size=4", "train.device=cpu"],
+                        {"WORLD_SIZE": "1"})
+    evaluator, scenario = Evaluator(1.0, device_type="cpu"), Scenario(cfg, layout, 1)
+    plan = [BlockPlan(i, f"layers.{i}", recompute="compiler", memory_budget=0.3)
+            for i in range(4)]
+    compiled, none = evaluator.evaluate(scenario, plan), evaluator.evaluate(scenario)
+    assert compiled.estimate.peak.total == none.estimate.peak.total
+    assert {p.recompute for p in compiled.plan} == {"none"}
+    plot_plan(compiled, str(tmp_path / "memory_plan.png"))
+    assert (tmp_path / "memory_plan.png").stat().st_size > 0
