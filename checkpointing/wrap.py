@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -34,8 +35,16 @@ def resolve_ops(names: Sequence[str]) -> list:
     return ops
 
 
+# torch 2.14 asks selective checkpointing to choose whether the tensors it keeps pass through
+# the saved-tensor hooks around it (offload, byte meters) and will flip its default later. We
+# keep them out, as every torch before did: the plan, the meter and the offload were measured so.
+_HOOKS_CHOICE = ({"respect_saved_tensors_hooks": False}
+                 if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+                 else {})
+
+
 def _checkpointed_forward(original: Callable, context_fn: Callable | None, *args, **kwargs):
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    extra = {"context_fn": context_fn, **_HOOKS_CHOICE} if context_fn is not None else {}
     # Non-reentrant: composes with FSDP2 hooks and keyword args; RNG state is stashed and
     # restored, so dropout masks in the recompute equal those of the forward.
     return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra,
@@ -61,6 +70,9 @@ def _selective_contexts(save_ops: list, meter: Optional[SavedBytesMeter]):
     forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(save_ops)
     if meter is None or not meter.active:
         return forward_ctx, recompute_ctx
+    # checkpoint() tells SAC's own mode its hooks choice; wrapped in our stack, it cannot.
+    for attr, value in _HOOKS_CHOICE.items():
+        setattr(forward_ctx, attr, value)
     stack = contextlib.ExitStack()
     stack.enter_context(forward_ctx)
     stack.enter_context(_ReportSaved(frozenset(save_ops), meter))

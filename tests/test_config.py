@@ -32,7 +32,7 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
             (tmp_path / "val.bin").write_bytes(bytes(4096))
             overrides += [f"data.train_path={tmp_path / 'train.bin'}",
                           f"data.val_path={tmp_path / 'val.bin'}"]
-        if group == "model" and option not in ("tiny", "hf_vision") and \
+        if group == "model" and option not in ("tiny", "hf_vision", "timm") and \
                 not option.startswith("vit"):  # image models keep their image data
             overrides.append("data.source=synthetic")
         if (group, option) == ("data", "images"):  # a folder per split, one image per class
@@ -56,10 +56,22 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
             overrides.append(f"checkpointing.plan_file={tmp_path / 'plan.json'}")
         if (group, option) == ("checkpointing", "auto"):  # no default memory off a GPU
             overrides.append("train.memory_gib=2")
+        if (group, option) == ("model", "timm") and not timm_imports():
+            with pytest.raises(ConfigError, match="model.arch: timm needs the timm package"):
+                check(overrides, env={})
+            continue
         cfg, layout = check(overrides, env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
         assert getattr(cfg, group) is not None and layout.world_size == 2
-        if group == "model":
+        if group == "model" and option != "timm":  # timm's name is the timm model's
             assert cfg.model.name == option  # the preset's name matches its file
+
+
+def timm_imports() -> bool:
+    try:
+        import timm  # noqa: F401
+    except Exception:  # not installed, or a torchvision built for another torch
+        return False
+    return True
 
 
 def test_config_keys_are_frozen() -> None:
@@ -71,7 +83,7 @@ def test_config_keys_are_frozen() -> None:
         "model.norm_eps", "model.rope_theta", "model.dropout", "model.tie_embeddings",
         "model.block_pattern", "model.path", "model.hf_config", "model.attn_implementation",
         "model.freeze", "model.image_size", "model.patch_size", "model.channels",
-        "model.num_classes",
+        "model.num_classes", "model.checkpoint_path", "model.timm_args",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
         "data.max_corpus_bytes", "data.workers", "data.augment", "data.skip_bad_images",
         "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",

@@ -77,6 +77,11 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
 
         return build_hf_vision_on_meta(cfg.hf_config, cfg.path, cfg.image_size, cfg.num_classes,
                                        cfg.channels, cfg.dropout, cfg.attn_implementation)
+    if cfg.arch == "timm":
+        from trainer.timm_vision import build_timm_on_meta
+
+        return build_timm_on_meta(cfg.name, cfg.checkpoint_path, cfg.image_size, cfg.num_classes,
+                                  cfg.channels, cfg.dropout, cfg.timm_args)
     if cfg.arch == "vit":
         from trainer.vit import build_vit
 
@@ -106,7 +111,7 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
 
 def model_flops_per_token(cfg: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
     """Training FLOPs per token for MFU (see trainer/model.py's flops_per_token)."""
-    if cfg.arch in ("hf", "vit", "hf_vision"):
+    if cfg.arch in ("hf", "vit", "hf_vision", "timm"):
         return model.flops_per_token(tokens_per_sample)
     return flops_per_token(llama_args(cfg), tokens_per_sample)
 

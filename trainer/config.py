@@ -62,6 +62,11 @@ class ModelConfig:
     patch_size: int = 16
     channels: int = 3
     num_classes: int = 10
+    # arch=timm (image classification through timm): `name` is the timm model name or
+    # local-dir:<folder>; timm_args are more timm.create_model arguments ({embed_dim: 64, ...});
+    # checkpoint_path a local .safetensors/.pth file of pretrained weights (nothing downloaded).
+    checkpoint_path: Optional[str] = None
+    timm_args: Optional[Any] = None
 
 
 @dataclass
@@ -236,9 +241,11 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
 
 
+# Architectures that classify images (data=images or synthetic_images; patch tokens).
+IMAGE_ARCHS = ("vit", "hf_vision", "timm")
 DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
-    "model.arch": ("llama", "hf", "vit", "hf_vision"),
+    "model.arch": ("llama", "hf", "vit", "hf_vision", "timm"),
     "data.source": ("bytes", "tokens", "synthetic", "images", "synthetic_images"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),

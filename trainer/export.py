@@ -62,6 +62,10 @@ def export(folder: str, out: str) -> str:
         saved = json.load(f)
     tensors = {name: t.contiguous() for name, t in load_model_state(folder).items()}
     model_cfg = saved["config"]["model"]
+    if model_cfg.get("arch") == "timm":  # a folder timm loads: create_model("local-dir:<out>")
+        from trainer.timm_vision import save_for_timm
+
+        return save_for_timm(tensors, model_cfg, out)
     if model_cfg.get("arch") in ("hf", "hf_vision"):  # back to a folder Hugging Face loads
         from trainer.hf import save_pretrained
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from trainer.weights import SafetensorsReader
+from trainer.weights import BufferKeeper, SafetensorsReader
 
 PREFIX = "hf."  # parameter names inside the wrapper; the HF name follows
 
@@ -85,23 +85,16 @@ def _masks_as_in_training() -> Iterator[None]:
             masking.find_packed_sequence_indices = original
 
 
-class HFWrapper(nn.Module):
+class HFWrapper(BufferKeeper):
     """What every HF wrapper shares: the model under `hf.`, its init scale, the pretrained
-    reader, and real buffer values restored after to_empty() wipes them."""
+    reader, and real buffer values (e.g. rotary inv_freq) restored after to_empty()."""
 
     def __init__(self, hf_model: nn.Module, checkpoint: Optional[str] = None) -> None:
         super().__init__()
         self.hf = hf_model
-        # Real buffer values, restored after to_empty() wipes them (e.g. rotary inv_freq).
-        self._buffer_values = {name: b.detach().clone() for name, b in self.named_buffers()}
+        self.keep_buffers()
         self._std = float(getattr(hf_model.config, "initializer_range", 0.02))
         self._reader = SafetensorsReader(checkpoint) if checkpoint else None
-
-    @torch.no_grad()
-    def reset_buffers(self) -> None:
-        for name, value in self._buffer_values.items():
-            buffer = self.get_buffer(name)
-            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
 
 
 class HFCausalLM(HFWrapper):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from trainer.config import DataConfig, ModelConfig
+from trainer.config import IMAGE_ARCHS, DataConfig, ModelConfig
 from trainer.validate import IMAGE_SOURCES
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Task:
 
 
 def task_for(model: ModelConfig, data: DataConfig) -> Task:
-    if model.arch in ("vit", "hf_vision"):
+    if model.arch in IMAGE_ARCHS:
         from trainer.vit import class_loss
 
         side = model.image_size // model.patch_size
@@ -72,6 +72,10 @@ def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, s
             from trainer.hf_vision import preprocessing
 
             preprocess = preprocessing(model.path)
+        elif model.arch == "timm":  # timm's pretrained config of the model: mean, std, interpolation
+            from trainer.timm_vision import preprocessing as timm_preprocessing
+
+            preprocess = timm_preprocessing(model.name, model.timm_args)
         return image_datasets(data.source, model.image_size, model.channels, model.num_classes,
                               seed, data.train_path, data.val_path, data.augment,
                               data.skip_bad_images, preprocess)

@@ -8,7 +8,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from trainer.config import CHOICES, DTYPES, SIGNALS, Config, ConfigError, DataConfig
+from trainer.config import CHOICES, DTYPES, IMAGE_ARCHS, SIGNALS, Config, ConfigError, DataConfig
 
 IMAGE_SOURCES = ("images", "synthetic_images")
 
@@ -113,7 +113,7 @@ def _check_text(cfg: Config) -> None:
 
 def _check_images(cfg: Config) -> None:
     m, d = cfg.model, cfg.data
-    require(m.arch in ("vit", "hf_vision"), "data.source",
+    require(m.arch in IMAGE_ARCHS, "data.source",
             f"{d.source} are images, which model.arch={m.arch} does not read; use model=vit or "
             "a text source (data=bytes, tokens or synthetic)")
     require(d.source in IMAGE_SOURCES, "data.source",
@@ -128,6 +128,11 @@ def _check_images(cfg: Config) -> None:
         from trainer.hf_settings import check_hf
 
         check_hf(cfg)
+        return _check_image_folders(cfg)
+    if m.arch == "timm":
+        from trainer.timm_vision import check_timm
+
+        check_timm(cfg)
         return _check_image_folders(cfg)
     require(m.hf_config is None, "model.hf_config", "only applies to model.arch=hf")
     if m.path is not None:
@@ -305,7 +310,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     require(m.dim % m.n_heads == 0, "model.n_heads",
             f"must divide model.dim={m.dim}, got {m.n_heads}")
     images = cfg.data.source in IMAGE_SOURCES
-    if m.arch in ("vit", "hf_vision") or images:
+    if m.arch in IMAGE_ARCHS or images:
         _check_images(cfg)
     else:
         _check_text(cfg)

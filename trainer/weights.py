@@ -10,6 +10,22 @@ import glob
 import os
 
 import torch
+from torch import nn
+
+
+class BufferKeeper(nn.Module):
+    """A wrapper around a model built on meta with real buffers (rotary tables and the like,
+    computed at construction, not in checkpoints): keeps their values, and puts them back after
+    to_empty() wipes them."""
+
+    def keep_buffers(self) -> None:
+        self._buffer_values = {name: b.detach().clone() for name, b in self.named_buffers()}
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        for name, value in self._buffer_values.items():
+            buffer = self.get_buffer(name)
+            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
 
 
 class WeightsError(ValueError):
