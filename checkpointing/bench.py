@@ -230,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
             for policy, target in keys:
                 logged = run_policy(policy, target, overrides, args.steps, args.nproc,
                                     os.path.join(out, str(round)))
+                steps = [m for m in logged if "step_time_s" in m]  # not eval or event records
                 rounds[policy, target].append({
-                    "step": statistics.median(m["step_time_s"] for m in logged[1:]),
-                    "saved": max(m["act_saved_bytes"] for m in logged),
-                    "offloaded": max(m.get("offloaded_bytes", 0) for m in logged),
-                    "peak": max(m["peak_mem_bytes"] for m in logged),
-                    "recompute": logged[-1].get("recompute_s", 0.0)})
+                    "step": statistics.median(m["step_time_s"] for m in steps[1:]),
+                    "saved": max(m["act_saved_bytes"] for m in steps),
+                    "offloaded": max(m.get("offloaded_bytes", 0) for m in steps),
+                    "peak": max(m["peak_mem_bytes"] for m in steps),
+                    "recompute": steps[-1].get("recompute_s", 0.0)})
     rows = {key: {name: statistics.median(r[name] for r in runs) for name in runs[0]}
             for key, runs in rounds.items()}
     print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "

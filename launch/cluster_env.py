@@ -12,6 +12,24 @@ from __future__ import annotations
 import sys
 from typing import Mapping
 
+
+
+def _flight_recorder_names() -> tuple[str, str]:
+    """(buffer size, dump file) variable names the installed torch reads without a warning:
+    torch 2.8 renamed TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE to
+    TORCH_FR_BUFFER_SIZE / TORCH_FR_DUMP_TEMP_FILE and warns on the old names (twice per run)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        major, minor = 2, 11  # what the project needs at least
+    if (major, minor) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
+FR_BUFFER_SIZE, FR_DUMP_FILE = _flight_recorder_names()
 # name -> (value, why)
 DEFAULTS: dict[str, tuple[str, str]] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": (
@@ -20,9 +38,9 @@ DEFAULTS: dict[str, tuple[str, str]] = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": (
         "1", "on a collective timeout each rank dumps its flight recorder, naming the collective "
              "it was stuck in"),
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": (
+    FR_BUFFER_SIZE: (
         "20000", "flight recorder entries kept per rank (needed by TORCH_NCCL_DUMP_ON_TIMEOUT)"),
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": (
+    FR_DUMP_FILE: (
         "${RUN_DIR}/nccl_trace_rank_", "flight recorder dumps go to the run directory, one "
                                        "file per rank"),
     "PYTORCH_CUDA_ALLOC_CONF": (

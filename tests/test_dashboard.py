@@ -3,6 +3,7 @@ faults and drift, one W&B run across a stop and a restart, summary fields, the w
 
 from __future__ import annotations
 
+import glob
 import json
 import signal
 import subprocess
@@ -94,7 +95,8 @@ def test_the_memory_story_reaches_wandb(faulty) -> None:
     # And the exact command that uploads the offline run.
     sync = [line for line in (faulty / "stdout.txt").read_text().splitlines()
             if "upload with: wandb sync " in line]
-    assert sync and Path(sync[0].split("wandb sync ")[1]).is_dir()
+    assert sync and glob.glob(sync[0].split("wandb sync ")[1]) and all(
+        Path(p).is_dir() for p in glob.glob(sync[0].split("wandb sync ")[1]))
 
 
 @pytest.mark.slow

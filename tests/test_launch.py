@@ -121,7 +121,7 @@ def test_environment_defaults_yield_to_the_environment_and_to_env_flags(monkeypa
     values = dict(line.split("=", 1) for line in _bash(script, show).splitlines())
     assert values["NCCL_DEBUG"] == "INFO" and values["NCCL_SOCKET_IFNAME"] == "ib0"
     assert values["OMP_NUM_THREADS"] == "4"  # 16 CPUs shared by 4 processes
-    assert values["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/outputs/slurm-4242/nccl_trace_rank_"
+    assert values["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/outputs/slurm-4242/nccl_trace_rank_"
     assert values["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     # A variable exported before sbatch beats a default, but not an explicit --env.
     env = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "NCCL_DEBUG": "TRACE"}

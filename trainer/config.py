@@ -203,7 +203,10 @@ class SaveConfig:
     resume: bool = True  # a run starting in a folder with checkpoints continues from the newest
     dir: Optional[str] = None  # null = <run dir>/checkpoints
     signal: Optional[str] = "SIGUSR1"  # besides SIGTERM: finish the step, save, exit
-    preempt_exit_code: int = 75  # exit status after a preemption save (EX_TEMPFAIL: run me again)
+    # Exit status after a preemption save (75, EX_TEMPFAIL: run me again). 0 exits cleanly and
+    # leaves the stop marker (preempted.json) to say it: the Slurm job script's choice, so that
+    # torchrun and srun report no failure for a requeue the job asked for.
+    preempt_exit_code: int = 75
 
 
 @dataclass

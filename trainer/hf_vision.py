@@ -117,10 +117,11 @@ def build_hf_vision_on_meta(hf_config: Any, path: Optional[str], image_size: int
     config.image_size, config.num_labels, config.num_channels = image_size, num_classes, channels
     config.id2label = {i: str(i) for i in range(num_classes)}
     config.label2id = {str(i): i for i in range(num_classes)}
-    if dropout is not None:
-        for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if hasattr(config, key):
-                setattr(config, key, dropout)
+    # Hidden dropout only: dropping attention probabilities takes SDPA off its fused kernels
+    # onto the path that keeps each T x T matrix (at 1024 px, 4097^2 x heads per layer, 805 MB
+    # for ViT-B in fp32). hf_config's attention_probs_dropout_prob still sets it on purpose.
+    if dropout is not None and hasattr(config, "hidden_dropout_prob"):
+        config.hidden_dropout_prob = dropout
     config._attn_implementation = attn_implementation
     with _parameters_on_meta():
         model = AutoModelForImageClassification.from_config(config)

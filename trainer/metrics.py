@@ -109,7 +109,7 @@ class RunLogger:
             self.best["val_loss"] = min(self.best.get("val_loss", math.inf), metrics["val_loss"])
         self._file.write(json.dumps(metrics) + "\n")
         if console:
-            log.info(" | ".join(_format(k, v) for k, v in metrics.items()))
+            log.info(console_line(metrics))
         if self.wandb is not None:
             logged = {k: v for k, v in metrics.items() if k != "step"}
             if wandb_step is not None:
@@ -179,6 +179,28 @@ def run_summary(seconds: float, first_step: int, progress, total_steps: int, pea
     else:
         lines.append("no checkpoint written")
     return lines
+
+
+# What the console shows of a record; the whole record is in metrics.jsonl (and W&B).
+CONSOLE = ("loss", "val_loss", "val_accuracy", "tokens_per_s", "peak_mem_bytes")
+
+
+def console_line(metrics: dict) -> str:
+    """`step 20 | loss 0.9856 | 8,878 tok/s | peak 0.78 GiB`; evaluations show val_loss and
+    val_accuracy, and a record with none of these keys (an event) shows in full."""
+    shown = [k for k in CONSOLE if k in metrics]
+    if not shown:
+        return " | ".join(_format(k, v) for k, v in metrics.items())
+    parts = [f"step {metrics['step']}"] if "step" in metrics else []
+    for key in shown:
+        value = metrics[key]
+        if key == "tokens_per_s":
+            parts.append(f"{value:,.0f} tok/s")
+        elif key == "peak_mem_bytes":
+            parts.append(f"peak {value / 2**30:.2f} GiB")
+        else:
+            parts.append(_format(key, value))
+    return " | ".join(parts)
 
 
 def _format(key: str, value) -> str:

@@ -4,7 +4,7 @@ The pre-flight "will it fit" report: the trainer's plan for this config, every b
 bytes and recompute FLOPs, the per-rank memory of a step (see checkpointing/memory.py) and a
 verdict against the GPU's memory, with the changes that would make it fit. Everything is
 measured on the meta device, so it runs on a laptop for a 70B model in seconds. Writes
-memory_plan.json and memory_plan.png to --out or to the run directory the trainer would use.
+memory_plan.json and memory_plan.png to --out (default: a new <train.out_dir>/reports/<time>).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import re
 import sys
 from dataclasses import asdict
@@ -55,15 +56,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def output_dir(args: argparse.Namespace, cfg) -> str:
-    """--out, else hydra.run.dir from the command line, else the trainer's run directory."""
+    """--out, else hydra.run.dir from the command line, else a folder of its own under
+    <train.out_dir>/reports (not a run directory: no run is started)."""
     if args.out:
         return args.out
     for override in args.overrides:
         if override.startswith("hydra.run.dir="):
             return override.split("=", 1)[1]
-    from trainer.rundir import run_id
-
-    return os.path.join(cfg.train.out_dir, run_id(cfg.train.run_name, os.environ))
+    base = os.path.join(cfg.train.out_dir, "reports", time.strftime("%Y%m%d-%H%M%S"))
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
 
 
 def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:

@@ -76,8 +76,10 @@ def create_kwargs(image_size: int, num_classes: int, channels: int, dropout: Opt
                   timm_args: Optional[Mapping]) -> dict:
     kwargs: dict[str, Any] = {"img_size": image_size, "num_classes": num_classes,
                               "in_chans": channels}
-    if dropout is not None:  # ViT-family names; timm_args may set them one by one
-        kwargs.update(drop_rate=dropout, proj_drop_rate=dropout, attn_drop_rate=dropout)
+    # ViT-family names; timm_args may set them one by one (attn_drop_rate too, which takes SDPA
+    # off its fused kernels onto the path that keeps each T x T matrix: not set from here).
+    if dropout is not None:
+        kwargs.update(drop_rate=dropout, proj_drop_rate=dropout)
     kwargs.update(dict(timm_args or {}))
     return kwargs
 

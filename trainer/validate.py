@@ -296,8 +296,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
             f"must be 0 (off) or above 1, got {f.spike_factor}")
     require(sv.signal is None or sv.signal in SIGNALS, "save.signal",
             f"got {sv.signal!r}; choose null or one of {', '.join(SIGNALS)}")
-    require(0 < sv.preempt_exit_code < 256, "save.preempt_exit_code",
-            f"must be an exit status 1..255, got {sv.preempt_exit_code}")
+    require(0 <= sv.preempt_exit_code < 256, "save.preempt_exit_code",
+            f"must be an exit status 0..255, got {sv.preempt_exit_code}")
     if sv.dir is not None:
         check_writable(sv.dir, "save.dir")
     if cfg.sharding.cpu_offload:

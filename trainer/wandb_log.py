@@ -92,10 +92,13 @@ class WandbLogger:
         return cls(run, offline=mode == "offline")
 
     def sync_command(self) -> Optional[str]:
-        """For an offline run: the command that uploads it."""
+        """For an offline run: the command that uploads it, every start of it (each start, e.g.
+        each requeue of a Slurm job, writes its own offline-run-* folder under the same run id,
+        and `wandb sync` uploads folders of one id in order of start time, as one run)."""
         if not self.offline or not self.run_dir:
             return None
-        return f"wandb sync {os.path.dirname(os.path.normpath(self.run_dir))}"
+        folder = os.path.dirname(os.path.normpath(self.run_dir))  # <run dir>/wandb/offline-run-..
+        return f"wandb sync {os.path.dirname(folder)}/offline-run-*"
 
     def log(self, metrics: dict, step: int) -> None:
         try:
