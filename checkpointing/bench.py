@@ -62,7 +62,10 @@ def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc
                f"--nproc-per-node={nproc}", "-m", "trainer", *args]
     else:
         cmd = [sys.executable, "-m", "trainer", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    # Each process its share of the cores (torchrun would set 1 thread and print a banner).
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if allow_no_fit and result.returncode == 2 and "too small for" in result.stderr:
         return None
     if result.returncode != 0:

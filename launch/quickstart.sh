@@ -4,7 +4,8 @@
 #   ./launch/quickstart.sh test  [pytest args ...] # the full test suite (what CI runs)
 # Setup is idempotent: a virtual environment (BLOCKTRAIN_VENV, default .venv) with torch and
 # blocktrain installed editable with its dev extras. Set BLOCKTRAIN_TORCH to pick another torch.
-# `test` also sets up the timm tests' own environment (BLOCKTRAIN_TIMM_VENV, default
+# `test` also installs Slurm's packages for the Slurm tests where it can (root with apt-get;
+# BLOCKTRAIN_SLURM=0 skips that), and sets up the timm tests' own environment (BLOCKTRAIN_TIMM_VENV, default
 # .venv-timm): timm imports torchvision, and PyPI's torchvision is built against PyPI's (CUDA)
 # torch, not the CPU build this project pins, so those tests run beside a torch + torchvision
 # pair that match (BLOCKTRAIN_TIMM_TORCH). BLOCKTRAIN_TIMM=0 skips it; the timm tests then skip,
@@ -27,6 +28,25 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$py" -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
+
+# The Slurm tests start a real 2-node cluster on this machine (tests/slurm_cluster.py) from
+# Debian's packages; installed here where that is possible (root and apt-get), so that a
+# newcomer's `test` runs what CI runs. Elsewhere those tests skip, saying which command enables
+# them.
+setup_slurm() {
+  [ "${BLOCKTRAIN_SLURM:-1}" = 0 ] && return 0
+  [ -x /usr/sbin/slurmctld ] && return 0
+  local packages="slurmctld slurmd munge slurm-client"
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "note: the 3 Slurm tests will skip: they need $packages (as root: apt-get install $packages)" >&2
+    return 0
+  fi
+  echo "installing $packages for the Slurm tests (once)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q $packages >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $packages >/dev/null 2>&1; } ||
+    echo "warning: could not install $packages with apt; the Slurm tests will skip" >&2
+}
 
 # The timm tests' environment (tests/test_timm.py runs itself there); a failure only warns.
 setup_timm() {
@@ -52,6 +72,8 @@ case "$cmd" in
   train) exec "$py" -m trainer "$@" ;;
   # Two workers, each taking whole test files (module fixtures are computed once); a later
   # `-n N` (or `-n 0`) among the arguments wins.
-  test) setup_timm; exec "$py" -m pytest -q -n 2 --dist loadfile "$@" ;;
+  # The tests never reach a W&B server: offline runs are what they read back.
+  test) setup_slurm; setup_timm; export WANDB_MODE=offline WANDB_SILENT=true
+    exec "$py" -m pytest -q -n 2 --dist loadfile "$@" ;;
   *) echo "usage: $0 train [key=value ...] | test [pytest args ...]" >&2; exit 2 ;;
 esac

@@ -95,8 +95,9 @@ def test_the_memory_story_reaches_wandb(faulty) -> None:
     # And the exact command that uploads the offline run.
     sync = [line for line in (faulty / "stdout.txt").read_text().splitlines()
             if "upload with: wandb sync " in line]
-    assert sync and glob.glob(sync[0].split("wandb sync ")[1]) and all(
-        Path(p).is_dir() for p in glob.glob(sync[0].split("wandb sync ")[1]))
+    pattern, _, run_id = sync[0].split("wandb sync ")[1].partition(" --id ")
+    assert glob.glob(pattern) and all(Path(p).is_dir() for p in glob.glob(pattern))
+    assert run_id == run["id"]
 
 
 @pytest.mark.slow
@@ -137,8 +138,14 @@ def test_a_preempted_and_requeued_run_is_one_wandb_run(tmp_path) -> None:
     finally:
         process.kill()
     stopped_at = json.loads((run_dir / "preempted.json").read_text())["step"]
-    check_ok(run_trainer(command[3:], cwd=tmp_path, env=ENV))
+    again = run_trainer(command[3:], cwd=tmp_path, env=ENV)
+    check_ok(again)
     first, second = _wandb(run_dir)
+    # The upload command the run ends with takes both starts, as the one run (same id).
+    [sync] = [line.split("wandb sync ")[1] for line in again.stdout.splitlines()
+              if "upload with: wandb sync " in line]
+    pattern, _, run_id = sync.partition(" --id ")
+    assert len(glob.glob(pattern)) == 2 and run_id == first["id"]
     assert first["id"] == second["id"] == (run_dir / "wandb_run_id").read_text().strip()
     assert ("preemption:", "WARN") in [(t.split()[1], level) for t, level, _ in first["alerts"]]
     assert any("stopped by SIGTERM" in text for _, _, text in first["alerts"])

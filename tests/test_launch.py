@@ -133,7 +133,8 @@ def test_environment_defaults_yield_to_the_environment_and_to_env_flags(monkeypa
 def test_checked_in_template_exports_the_defaults() -> None:
     with open(TEMPLATE) as f:
         text = f.read()
-    assert [line for line in text.splitlines() if line.startswith("export ")] == \
+    settings = text.split(SETTINGS_END)[0]  # the body's own exports (threads) come after
+    assert [line for line in settings.splitlines() if line.startswith("export ")] == \
         export_lines(merged({}))
     subprocess.run(["bash", "-n", TEMPLATE], check=True)
     printed = subprocess.run(["python", "-m", "launch.cluster_env"], capture_output=True,
@@ -197,3 +198,19 @@ def test_validate_prints_each_job_and_submits_nothing(monkeypatch, capsys, tmp_p
                      "nodes, 64 CPUs and 4/8 GPUs per node, time limit 172800 s; overrides: "
                      f"train.device=cuda checkpointing={policy}"
                      for i, policy in enumerate(("none", "full"))]
+
+
+def test_job_script_gives_each_trainer_its_share_of_threads() -> None:
+    """torchrun sets OMP_NUM_THREADS=1 (and prints a banner) when it is unset; the job script
+    sets each trainer's share of the task's CPUs instead, and a value given beforehand wins."""
+    body = template_parts()[1]
+    lines = [line for line in body.splitlines()
+             if line.startswith(("cpus=", "export OMP_NUM_THREADS"))]
+    assert len(lines) == 2
+    for env, expected in (({"SLURM_CPUS_PER_TASK": "16"}, "4"),
+                          ({"SLURM_CPUS_PER_TASK": "2"}, "1"),
+                          ({"SLURM_CPUS_PER_TASK": "16", "OMP_NUM_THREADS": "7"}, "7")):
+        out = subprocess.run(["bash", "-c", "NPROC_PER_NODE=4\n" + "\n".join(lines)
+                              + '\necho "$OMP_NUM_THREADS"'], env={"PATH": "/usr/bin:/bin", **env},
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert out == expected, (env, out)

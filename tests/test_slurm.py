@@ -105,6 +105,17 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(cluster, tmp_pat
 
     log = output.read_text()
     assert stopped_at["reason"] == "SIGUSR1" and 3 <= stopped_at["step"] < 24, stopped_at
+    # The requeue the job asked for reads as one: the trainers exited cleanly (no torchrun
+    # traceback, no srun error), the script said what happens next, and the next start says
+    # how long it waited and until when.
+    assert "Traceback" not in log and "srun: error" not in log, log[-4000:]
+    assert "(its 'CANCELLED ... DUE TO JOB REQUEUE' line below is this requeue)" in log
+    assert "holds the job until its BeginTime, 10 s from now (AuthInfo=cred_expire" in log
+    waited = re.search(r"requeued (\d+) s before this start: held (\d+) s until its BeginTime "
+                       r"\(the requeue \+ AuthInfo cred_expire\), then (-?\d+) s until", log)
+    assert waited, log[-4000:]
+    total, held, scheduled = map(int, waited.groups())
+    assert 10 <= held <= 13 and total == held + scheduled, waited.group(0)  # cred_expire=10
     assert "blocktrain[job %s]: start 1;" % job_id in log
     assert f"resumed from {run_dir / 'checkpoints' / ('step_%08d' % stopped_at['step'])}" in log
     # Every step's loss equals the uninterrupted run's, including the steps after the resume.

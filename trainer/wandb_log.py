@@ -98,7 +98,9 @@ class WandbLogger:
         if not self.offline or not self.run_dir:
             return None
         folder = os.path.dirname(os.path.normpath(self.run_dir))  # <run dir>/wandb/offline-run-..
-        return f"wandb sync {os.path.dirname(folder)}/offline-run-*"
+        run_id = getattr(self.run, "id", None)
+        return (f"wandb sync {os.path.dirname(folder)}/offline-run-*"
+                + (f" --id {run_id}" if run_id else ""))
 
     def log(self, metrics: dict, step: int) -> None:
         try:
