@@ -240,3 +240,15 @@ def test_a_misbehaving_wandb_never_fails_the_run() -> None:
     logger.checkpoint_reference("/nonexistent", 3)
     logger.log({"loss": 1.0}, step=1)  # the first failure of log turns W&B off for the run
     assert logger.run is None
+
+
+def test_the_console_line_is_short_and_the_record_whole() -> None:
+    from trainer.metrics import console_line
+
+    record = {"step": 20, "loss": 0.98561, "lr": 6.2e-4, "grad_norm": 2.04, "tokens_per_s": 8878.2,
+              "step_time_s": 0.0577, "samples_per_s": 138.7, "data_wait_s": 0.0067,
+              "tokens_seen": 10240, "peak_mem_bytes": 837_000_000, "act_saved_bytes": 0}
+    assert console_line(record) == "step 20 | loss 0.9856 | 8,878 tok/s | peak 0.78 GiB"
+    assert console_line({"step": 0, "val_loss": 1.4271, "val_accuracy": 0.1875}) == \
+        "step 0 | val_loss 1.427 | val_accuracy 0.1875"
+    assert console_line({"step": 3, "alert": "nan"}) == "step 3 | alert nan"  # events in full

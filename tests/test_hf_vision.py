@@ -14,8 +14,9 @@ from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
 from tests.test_vit import POLICIES, _run
 
 VIT = ("{model_type: vit, hidden_size: 32, num_hidden_layers: 4, num_attention_heads: 2, "
-       "intermediate_size: 64, patch_size: 8}")
-# 32x32 images in 8x8 patches (16 tokens + the class token), HF ViT's dropouts on.
+       "intermediate_size: 64, patch_size: 8, attention_probs_dropout_prob: 0.1}")
+# 32x32 images in 8x8 patches (16 tokens + the class token), HF ViT's dropouts on (hidden from
+# model.dropout, attention probabilities from the HF config).
 SMALL = ["model=hf_vision", f"model.hf_config={VIT}", "model.image_size=32",
          "model.patch_size=8", "model.num_classes=10", "model.dropout=0.1",
          "train.micro_batch_size=4", "checkpointing.profile_repeats=1"]

@@ -214,3 +214,22 @@ def test_job_script_gives_each_trainer_its_share_of_threads() -> None:
                               + '\necho "$OMP_NUM_THREADS"'], env={"PATH": "/usr/bin:/bin", **env},
                              capture_output=True, text=True, check=True).stdout.strip()
         assert out == expected, (env, out)
+
+
+def test_flight_recorder_variables_are_the_names_this_torch_reads() -> None:
+    """torch 2.8 renamed TORCH_NCCL_TRACE_BUFFER_SIZE (and the dump file's variable) and warns
+    on the old names; the defaults use the names the installed torch's c10d library holds."""
+    import mmap
+
+    import torch
+
+    from launch.cluster_env import FR_BUFFER_SIZE, FR_DUMP_FILE
+
+    assert FR_BUFFER_SIZE in DEFAULTS and FR_DUMP_FILE in DEFAULTS
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(library):
+        pytest.skip(f"no {library} to read the names from")
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for name in (FR_BUFFER_SIZE, FR_DUMP_FILE):
+            assert data.find(name.encode() + b"\0") >= 0, name
+    assert FR_BUFFER_SIZE == "TORCH_FR_BUFFER_SIZE"  # torch >= 2.8 here (2.11 and 2.13 run)

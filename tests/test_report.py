@@ -345,3 +345,13 @@ def test_plan_module_still_imports_without_torch() -> None:
     """checkpointing.plan stays a plain module (the config schema imports it)."""
     code = "import sys, checkpointing.plan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), check=True)
+
+
+def test_report_writes_apart_from_runs_unless_told(tmp_path) -> None:
+    """No --out: a new folder under <train.out_dir>/reports, never a run directory."""
+    for _ in range(2):
+        result, _ = _plan_cli(["data=synthetic"], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    reports = sorted((tmp_path / "outputs" / "reports").iterdir())
+    assert len(reports) == 2 and all((r / "memory_plan.json").exists() for r in reports)
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["reports"]
