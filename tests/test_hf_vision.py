@@ -118,6 +118,22 @@ def test_report_predicts_a_1024px_hf_vit_step_under_full(tmp_path) -> None:
     assert live == pytest.approx(peak, rel=0.02)
 
 
+def one_image_per_class(tmp_path):
+    """The same random 32 px image under classes a and b of train/ and val/: (pixels, data)."""
+    import numpy as np
+    from PIL import Image
+
+    from trainer.config import DataConfig
+
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (tmp_path / split / label).mkdir(parents=True)
+            Image.fromarray(pixels).save(tmp_path / split / label / "0.png")
+    return pixels, DataConfig(source="images", train_path=str(tmp_path / "train"),
+                              val_path=str(tmp_path / "val"))
+
+
 def test_images_follow_the_pretrained_models_preprocessing(tmp_path) -> None:
     """A folder with preprocessor_config.json (mean/std 0.5, bilinear) sets how images are
     scaled for model=hf_vision; without one, ImageNet statistics and bicubic."""
@@ -131,13 +147,7 @@ def test_images_follow_the_pretrained_models_preprocessing(tmp_path) -> None:
     folder, _ = _pretrained_folder(tmp_path, image_size=32, num_classes=2)
     ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3,
                       resample=2).save_pretrained(folder)
-    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
-    for split in ("train", "val"):
-        for label in ("a", "b"):
-            (tmp_path / split / label).mkdir(parents=True)
-            Image.fromarray(pixels).save(tmp_path / split / label / "0.png")
-    data = DataConfig(source="images", train_path=str(tmp_path / "train"),
-                      val_path=str(tmp_path / "val"))
+    pixels, data = one_image_per_class(tmp_path)
     expected = (pixels.astype(np.float32) / 255.0 - 0.5) / 0.5  # 32 px: no resize
     for path, mean in ((str(folder), 0.5), (None, None)):
         model = config("model=hf_vision", "model.image_size=32", "model.num_classes=2",

@@ -22,6 +22,7 @@ import torch
 from tests.checkpoint_harness import assert_policies_bitwise
 from tests.dist import spawn
 from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
+from tests.test_hf_vision import one_image_per_class
 from tests.test_vit import POLICIES, _run
 
 try:
@@ -141,13 +142,7 @@ def test_images_follow_the_timm_models_pretrained_config(tmp_path) -> None:
 
     assert preprocessing("deit_tiny_patch16_224")["image_mean"] == pytest.approx(
         [0.485, 0.456, 0.406])
-    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
-    for split in ("train", "val"):
-        for label in ("a", "b"):
-            (tmp_path / split / label).mkdir(parents=True)
-            Image.fromarray(pixels).save(tmp_path / split / label / "0.png")
-    data = DataConfig(source="images", train_path=str(tmp_path / "train"),
-                      val_path=str(tmp_path / "val"))
+    pixels, data = one_image_per_class(tmp_path)
     model = config("model=timm", f"model.timm_args={TINY}", "model.image_size=32",
                    "model.patch_size=8", "model.num_classes=2").model
     train, _ = build_task_datasets(model, data, 0, 0)
