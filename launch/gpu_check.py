@@ -296,7 +296,7 @@ def stage_bench(check: Check, cap: float) -> dict:
         check.save()
     return {"ok": all(r["ok"] for r in rows.values()), "rows": rows,
             "micro_batch": fit["micro_batch"], "seq_len": fit["seq_len"],
-            "peak_flops_note": "MFU uses the dense bf16 peak of trainer/metrics.py's table"}
+            "peak_flops_note": "MFU uses the dense bf16 peak of trainer/observe/metrics.py's table"}
 
 
 def stage_torchtitan(check: Check, cap: float) -> dict:

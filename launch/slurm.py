@@ -27,7 +27,7 @@ from launch.cluster_env import parse_assignments
 from launch.sbatch import JobRequest, render
 from trainer import cli
 from trainer.config import Config, ConfigError
-from trainer.rundir import run_id
+from trainer.state.rundir import run_id
 
 USAGE_ERROR = 2
 
@@ -110,7 +110,7 @@ def check_config(overrides: Sequence[str], nodes: int, nproc: int, gpus: int) ->
 
 
 def run_dir_of(cfg: Config, overrides: Sequence[str], workdir: str) -> str:
-    """What the trainer would choose (trainer/rundir.py), absolute; the job passes it on."""
+    """What the trainer would choose (trainer/state/rundir.py), absolute; the job passes it on."""
     for override in reversed(overrides):
         if override.startswith("hydra.run.dir="):
             return os.path.join(workdir, override.partition("=")[2])

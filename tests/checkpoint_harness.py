@@ -28,7 +28,7 @@ def train_steps(built, meter, optim_cfg, steps: int, rank: int, make_batch=token
     optimizer steps on seeded batches (`make_batch(step, rank)`; next-token loss unless
     `loss_fn` is given), offload hooks on, the offloader closed at the end."""
     from offload.apply import close_offloader, offload_micro_batch
-    from trainer.model import lm_loss
+    from trainer.models.llama import lm_loss
     from trainer.optim import build_optimizer
 
     loss_fn = loss_fn or lm_loss

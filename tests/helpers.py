@@ -5,7 +5,7 @@ from __future__ import annotations
 from trainer.build import llama_args
 from trainer.cli import compose
 from trainer.config import Config
-from trainer.model import LlamaArgs
+from trainer.models.llama import LlamaArgs
 
 
 def config(*overrides: str) -> Config:

@@ -37,3 +37,100 @@ def test_the_check_sees_an_upward_import(tmp_path) -> None:
     sample = tmp_path / "x.py"
     sample.write_text("def f():\n    from trainer.config import Config\n    import launch.slurm\n")
     assert imported_packages(sample) == {("trainer", 2), ("launch", 3)}
+
+
+# Inside trainer/: each unit (a sub-package, or a module at the top) imports only units before
+# it. Models, data and state never reach the loop, the report or W&B; the entry points come last.
+TRAINER_ORDER = ("config", "distenv", "faults", "models", "data", "validate", "task", "state",
+                 "optim", "build", "fit", "observe", "loop", "cli", "__main__",
+                 "report", "export", "tokenize", "workspace")
+PROJECT = ("trainer", "checkpointing", "offload", "sharding", "launch")
+
+
+def module_name(path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path, known: set[str]) -> set[str]:
+    """The project's modules a file imports (function-local imports too); `from pkg import mod`
+    counts as importing pkg.mod where that is a module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name in known}
+
+
+def project_graph() -> dict[str, set[str]]:
+    paths = [p for folder in PROJECT for p in sorted((REPO / folder).rglob("*.py"))]
+    known = {module_name(p) for p in paths}
+    return {module_name(p): imported_modules(p, known) - {module_name(p)} for p in paths}
+
+
+def trainer_unit(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "__init__"
+
+
+def test_trainer_units_import_only_units_before_them() -> None:
+    graph = project_graph()
+    units = {trainer_unit(m) for m in graph if m.startswith("trainer.")} - {"__init__"}
+    assert units <= set(TRAINER_ORDER), f"place {units - set(TRAINER_ORDER)} in TRAINER_ORDER"
+    rank = {unit: i for i, unit in enumerate(TRAINER_ORDER)}
+    wrong = [f"{m} imports {d}" for m, deps in sorted(graph.items()) if m.startswith("trainer.")
+             and trainer_unit(m) in rank for d in sorted(deps) if d.startswith("trainer.")
+             and trainer_unit(d) in rank and rank[trainer_unit(d)] > rank[trainer_unit(m)]]
+    assert wrong == []
+
+
+def test_trainer_top_level_holds_only_the_core() -> None:
+    modules = sorted(p.name for p in (REPO / "trainer").glob("*.py"))
+    assert len(modules) <= 15, modules
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_anywhere() -> None:
+    assert cycles(project_graph()) == []
+
+
+def test_the_checks_see_a_circle_and_a_wrong_arrow(tmp_path) -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    sample = tmp_path / "trainer" / "models" / "x.py"
+    sample.parent.mkdir(parents=True)
+    sample.write_text("def f():\n    from trainer import loop\n    import trainer.fit.report\n")
+    known = {"trainer.loop", "trainer.fit.report", "trainer"}
+    assert imported_modules(sample, known) == {"trainer", "trainer.loop", "trainer.fit.report"}

@@ -21,7 +21,7 @@ from tests.helpers import (QUICK, check_ok, losses, read_metrics, read_wandb_rec
                            run_trainer)
 from trainer.cli import check
 from trainer.config import ConfigError
-from trainer.scenario import Evaluator, Scenario
+from trainer.fit.scenario import Evaluator, Scenario
 
 SMALL = ["data.seq_len=128", "train.micro_batch_size=8", "train.device=cpu", "model.dropout=0.1"]
 OPTIONS = ("none", "selective", "full")
@@ -212,7 +212,7 @@ def test_the_report_shows_what_auto_would_choose(tmp_path) -> None:
 def test_the_largest_micro_batch_within_the_margin_of_the_fastest_wins(step_s, expected) -> None:
     """Predicted step times set per micro-batch: the largest micro-batch within
     MICRO_BATCH_MARGIN (10%) of the fastest is taken."""
-    from trainer.autofit import MICRO_BATCH_MARGIN, decide
+    from trainer.fit.autofit import MICRO_BATCH_MARGIN, decide
 
     assert MICRO_BATCH_MARGIN == 0.10
     cfg, layout = check([*SMALL, "train.micro_batch_size=auto", "train.global_batch_size=16",

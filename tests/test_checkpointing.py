@@ -17,7 +17,7 @@ from tests.dist import spawn
 from tests.helpers import config
 from trainer.build import build_model
 from trainer.config import DEFAULT_SAVE_OPS
-from trainer.model import lm_loss
+from trainer.models.llama import lm_loss
 from trainer.optim import build_optimizer
 
 
@@ -91,7 +91,7 @@ def _block_and_inputs(recompute: str):
     """A materialised tiny-Llama block wrapped for `recompute`, and inputs at real shapes."""
     from checkpointing.wrap import checkpoint_block, resolve_ops
     from trainer.build import build_llama_on_meta, materialize
-    from trainer.model import rope_cos_sin
+    from trainer.models.llama import rope_cos_sin
 
     model = build_llama_on_meta(config("model.dropout=0.0").model)
     materialize(model, torch.device("cpu"), seed=0)

@@ -87,8 +87,8 @@ def test_mistakes_found_before_the_run_directory_is_made(tmp_path) -> None:
 
 
 def test_token_range_comes_from_meta_json_when_the_tokenizer_recorded_it(tmp_path) -> None:
-    from trainer.data import token_file
-    from trainer.precheck import largest_token_id
+    from trainer.data.tokens import token_file
+    from trainer.fit.precheck import largest_token_id
 
     folder = _token_dir(tmp_path, [5, 7, 9])
     tokens = token_file(str(folder / "train.bin"), "uint16")
@@ -101,7 +101,7 @@ def test_token_range_comes_from_meta_json_when_the_tokenizer_recorded_it(tmp_pat
 
 
 def test_tokenizer_records_the_largest_id(tmp_path) -> None:
-    from trainer.tokenize import main as tokenize_main
+    from trainer.data.tokenize import main as tokenize_main
 
     (tmp_path / "doc.txt").write_text("hello world " * 50)
     assert tokenize_main([str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"),
@@ -164,7 +164,7 @@ def test_a_crafted_metadata_file_runs_nothing_on_resume_or_export(tmp_path, save
     result = run_trainer(TINY_RUN + ["train.steps=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert result.returncode == 2 and not marker.exists()
     _one_line(result.stderr, f"error: save.resume: {folder}/.metadata names posix.system")
-    from trainer.export import main as export_main
+    from trainer.state.export import main as export_main
 
     with pytest.raises(SystemExit, match=r"\.metadata names posix.system.*refusing"):
         export_main([str(folder), "--out", str(tmp_path / "exported")])
@@ -172,7 +172,7 @@ def test_a_crafted_metadata_file_runs_nothing_on_resume_or_export(tmp_path, save
 
 
 def test_a_run_directory_has_one_live_owner(tmp_path) -> None:
-    from trainer.ownership import RunLock
+    from trainer.state.ownership import RunLock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -219,7 +219,7 @@ def test_every_checkpoint_damaged_is_refused_not_restarted(tmp_path, saved_run) 
 
 def test_a_corrupt_image_is_named_or_skipped_and_logged(tmp_path) -> None:
     from tests.test_vit import CLI, _image_folder
-    from trainer.images import ImageFolder
+    from trainer.data.images import ImageFolder
 
     _image_folder(tmp_path / "data")
     bad = tmp_path / "data" / "train" / "blue" / "1.png"
@@ -248,7 +248,7 @@ def test_a_file_system_without_locks_warns_instead_of_failing(tmp_path, monkeypa
     import errno
     import fcntl
 
-    from trainer.ownership import RunLock
+    from trainer.state.ownership import RunLock
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -118,7 +118,7 @@ def _graph_saved_bytes(loss: torch.Tensor, params: frozenset = frozenset()) -> i
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_saved_bytes_are_what_the_compiled_backward_keeps(world_of_one, tmp_path, policy) -> None:
-    from trainer.model import lm_loss
+    from trainer.models.llama import lm_loss
     from tests.checkpoint_harness import token_batch
 
     cfg = config(*SMALL, "train.compile=true", "model.dropout=0.0", f"checkpointing={policy}")
@@ -139,7 +139,7 @@ def test_saved_bytes_are_what_the_compiled_backward_keeps(world_of_one, tmp_path
 
 @pytest.mark.slow
 def test_identical_blocks_compile_once(world_of_one, tmp_path) -> None:
-    from trainer.model import lm_loss
+    from trainer.models.llama import lm_loss
     from tests.checkpoint_harness import token_batch
 
     for layers, policy in ((4, "none"), (8, "none"), (8, "full")):
@@ -224,7 +224,7 @@ def test_budget_planner_can_choose_the_compilers_placement() -> None:
 
 def test_plan_file_with_compiler_blocks_needs_compile(tmp_path) -> None:
     from trainer.config import ConfigError
-    from trainer.planfile import read_plan
+    from trainer.state.planfile import read_plan
 
     path = tmp_path / "plan.json"
     rows = [{"index": i, "name": f"layers.{i}", "recompute": "compiler", "memory_budget": 0.3}
@@ -243,8 +243,8 @@ def test_a_plan_with_compiler_blocks_is_predicted_as_keeping_everything(tmp_path
     """The report (and the dashboard's prediction) bound a compiler-placed block by `none`."""
     from checkpointing.plan import BlockPlan
     from trainer.cli import check
-    from trainer.plot import plot_plan
-    from trainer.scenario import Evaluator, Scenario
+    from trainer.fit.plot import plot_plan
+    from trainer.fit.scenario import Evaluator, Scenario
 
     cfg, layout = check(["data.seq_len=64", "train.micro_batch_size=4", "train.device=cpu"],
                         {"WORLD_SIZE": "1"})

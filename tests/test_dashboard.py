@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import (QUICK, check_ok, read_metrics, read_wandb_records, run_trainer,
                            subprocess_env)
-from trainer.watch import KINDS, Alerts, ThroughputWatch, memory_text
+from trainer.observe.watch import KINDS, Alerts, ThroughputWatch, memory_text
 
 # Throughput alerts only for a drop far beyond a shared test machine's noise (the injected
 # slow step is ~15x slower than the others).
@@ -164,7 +164,7 @@ def test_wandb_off_costs_no_prediction(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_workspace_panels_name_keys_the_trainer_logs(faulty) -> None:
-    from trainer.workspace import CONDITIONAL, IMAGES, LINES, SUMMARY_BARS, TABLES, build
+    from trainer.observe.workspace import CONDITIONAL, IMAGES, LINES, SUMMARY_BARS, TABLES, build
 
     [run] = _wandb(faulty)
     drawn = {key for keys in LINES.values() for key in keys}
@@ -211,7 +211,7 @@ def test_throughput_drift_and_memory_texts() -> None:
 
 
 def test_runs_are_grouped_by_slurm_job(monkeypatch) -> None:
-    from trainer.dashboard import run_group
+    from trainer.observe.dashboard import run_group
 
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
@@ -221,7 +221,7 @@ def test_runs_are_grouped_by_slurm_job(monkeypatch) -> None:
 
 
 def test_a_misbehaving_wandb_never_fails_the_run() -> None:
-    from trainer.wandb_log import WandbLogger
+    from trainer.observe.wandb_log import WandbLogger
 
     class Broken:
         id = "x"
@@ -243,7 +243,7 @@ def test_a_misbehaving_wandb_never_fails_the_run() -> None:
 
 
 def test_the_console_line_is_short_and_the_record_whole() -> None:
-    from trainer.metrics import console_line
+    from trainer.observe.metrics import console_line
 
     record = {"step": 20, "loss": 0.98561, "lr": 6.2e-4, "grad_norm": 2.04, "tokens_per_s": 8878.2,
               "step_time_s": 0.0577, "samples_per_s": 138.7, "data_wait_s": 0.0067,

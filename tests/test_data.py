@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import data, tokenize
+from trainer.data import tokenize, tokens as data
 
 
 def window_ids(dataset: data.WindowDataset, inputs: torch.Tensor) -> list[int]:

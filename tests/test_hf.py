@@ -16,7 +16,7 @@ from tests.helpers import config  # noqa: E402
 from trainer.build import build_model  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.validate import validate  # noqa: E402
-from trainer.model import lm_loss  # noqa: E402
+from trainer.models.llama import lm_loss  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
 
 # Tiny configs of two architectures, dropout on (attention and residual), byte vocabulary.
@@ -118,7 +118,7 @@ def test_trained_checkpoint_exports_to_a_folder_hugging_face_loads(tmp_path) -> 
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import QUICK, REPO, check_ok, run_trainer
-    from trainer.export import main as export_main
+    from trainer.state.export import main as export_main
 
     run_dir, out = tmp_path / "run", tmp_path / "export"
     check_ok(run_trainer([*QUICK, "model=hf", LLAMA, "train.steps=3", "checkpointing=selective",
@@ -135,7 +135,7 @@ def test_trained_checkpoint_exports_to_a_folder_hugging_face_loads(tmp_path) -> 
 
 
 def _random_init_logits(tokens: torch.Tensor) -> torch.Tensor:
-    from trainer.hf import build_hf_on_meta
+    from trainer.models.hf import build_hf_on_meta
 
     cfg = config("model=hf", LLAMA).model
     model = build_hf_on_meta(cfg.hf_config, None)

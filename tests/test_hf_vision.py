@@ -66,7 +66,7 @@ def test_fine_tuning_a_saved_model_at_a_higher_resolution(tmp_path) -> None:
         run_dir / "train.log").read_text()
     # Every weight but the positions and the head loaded unchanged; the positions were resized
     # from the 4x4 grid to 8x8; the run learned (4 classes: chance is 0.25).
-    from trainer.export import export
+    from trainer.state.export import export
 
     out = export(str(run_dir / "checkpoints" / "step_00000040"), str(tmp_path / "export"))
     from transformers import ViTForImageClassification

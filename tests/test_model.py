@@ -1,4 +1,4 @@
-"""Tests for trainer.model: shapes, attention semantics, rotary, init and dropout."""
+"""Tests for trainer.models.llama: shapes, attention semantics, rotary, init and dropout."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.helpers import preset
 from trainer.build import init_params, param_seed
-from trainer.model import (
+from trainer.models.llama import (
     Llama,
     LlamaArgs,
     apply_rope,

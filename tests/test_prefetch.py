@@ -1,4 +1,4 @@
-"""Reading batches ahead in threads (trainer/prefetch.py) changes when a batch is read, never
+"""Reading batches ahead in threads (trainer/data/prefetch.py) changes when a batch is read, never
 what it is."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 def test_prefetcher_returns_what_read_returns_and_reads_ahead_in_threads() -> None:
     import threading
 
-    from trainer.prefetch import Prefetcher
+    from trainer.data.prefetch import Prefetcher
 
     readers: dict[int, str] = {}
 

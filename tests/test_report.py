@@ -17,20 +17,20 @@ import torch.nn.functional as F
 from checkpointing.memory import estimate, sharded_numel
 from checkpointing.metatrace import FusedAttentionOnMeta, profile_on_meta
 from checkpointing.profile import OPTIONS, profile_blocks, trace_on_meta
-from trainer.report import collapse
+from trainer.fit.report import collapse
 from checkpointing.saved import SavedBytesMeter
-from trainer.scenario import Evaluator, Scenario, setup_of
+from trainer.fit.scenario import Evaluator, Scenario, setup_of
 from checkpointing.wrap import resolve_ops
 from trainer.distenv import init_distributed, read_env, shutdown
 from tests.dist import spawn
 from tests.helpers import REPO, config, subprocess_env
-from trainer.livebytes import LiveTensorBytes, tensors_of
+from trainer.observe.livebytes import LiveTensorBytes, tensors_of
 from trainer.build import build_llama_on_meta, build_model, find_model_blocks, llama_args
 from trainer.cli import check
 from trainer.config import DEFAULT_SAVE_OPS
 from trainer.faults import LossGuard
 from trainer.loop import train_step
-from trainer.model import build_llama, lm_loss
+from trainer.models.llama import build_llama, lm_loss
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.task import task_for
 
@@ -325,8 +325,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, start) -> None:
 
 
 def test_the_picture_shows_static_memory_the_capacity_and_the_peak(tmp_path) -> None:
-    from trainer.plot import plot_plan
-    from trainer.scenario import Evaluator, Scenario
+    from trainer.fit.plot import plot_plan
+    from trainer.fit.scenario import Evaluator, Scenario
 
     cfg, layout = check([*TINY, "checkpointing=budget"], {"WORLD_SIZE": "1"})
     outcome = Evaluator(400.0).evaluate(Scenario(cfg, layout, 1))

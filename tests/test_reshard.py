@@ -17,8 +17,8 @@ from tests.dist import spawn
 from tests.helpers import config
 from trainer.build import build_model
 from trainer.distenv import read_env
-from trainer.livebytes import LiveTensorBytes
-from trainer.model import lm_loss
+from trainer.observe.livebytes import LiveTensorBytes
+from trainer.models.llama import lm_loss
 
 LAYERS = 4
 MODEL = ["model=tiny", f"model.n_layers={LAYERS}", "model.vocab_size=4096", "model.dim=256",

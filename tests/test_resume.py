@@ -200,7 +200,7 @@ def test_stuck_rank_gives_an_error_naming_rank_and_operation(tmp_path) -> None:
     assert ("error: rank 0: step 3 (forward, backward, gradient reduction) failed waiting for "
             "the other ranks (timeout train.dist_timeout_s=5)") in result.stderr
     assert time.monotonic() - started < 60
-    # ... and rank 0 raised the alert before leaving (trainer/watch.py)
+    # ... and rank 0 raised the alert before leaving (trainer/observe/watch.py)
     alerts = [m for m in read_metrics(tmp_path) if m.get("alert") == "collective_timeout"]
     assert len(alerts) == 1 and alerts[0]["step"] == 3 and "rank 0" in alerts[0]["text"]
     assert "ALERT collective_timeout (step 3)" in (tmp_path / "train.log").read_text()

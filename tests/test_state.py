@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 
 from tests.dist import spawn
-from trainer.state import COMMIT, Checkpointer, checkpoint_path, list_checkpoints, verify
+from trainer.state.checkpoint import COMMIT, Checkpointer, checkpoint_path, list_checkpoints, verify
 
 FULL = StateDictOptions(full_state_dict=True)  # every rank gets the full tensors
 
@@ -171,7 +171,7 @@ def test_async_save_commits_what_was_there_when_it_started(tmp_path) -> None:
 def test_export_writes_the_full_model_as_safetensors(tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from trainer.export import main as export_main
+    from trainer.state.export import main as export_main
 
     run = tmp_path / "run"
     saved = spawn(_save_steps, 2, str(run / "checkpoints"), [1, 2], 2, False)[0]

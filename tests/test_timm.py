@@ -96,7 +96,7 @@ def test_fine_tuning_a_saved_timm_model_at_a_higher_resolution(tmp_path) -> None
 
     # Export: a folder timm itself loads, at the tuned resolution and classes; the frozen norm
     # held, the rest trained.
-    from trainer.export import export
+    from trainer.state.export import export
 
     out = export(str(run_dir / "checkpoints" / "step_00000040"), str(tmp_path / "export"))
     tuned = timm.create_model(f"local-dir:{out}", pretrained=True)
@@ -138,7 +138,7 @@ def test_images_follow_the_timm_models_pretrained_config(tmp_path) -> None:
 
     from trainer.config import DataConfig
     from trainer.task import build_task_datasets
-    from trainer.timm_vision import preprocessing
+    from trainer.models.timm_vision import preprocessing
 
     assert preprocessing("deit_tiny_patch16_224")["image_mean"] == pytest.approx(
         [0.485, 0.456, 0.406])

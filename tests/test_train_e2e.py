@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.helpers import QUICK, check_ok, read_metrics, read_wandb_records, run_trainer
-from trainer.rundir import run_id
+from trainer.state.rundir import run_id
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "samples_per_s",
                "data_wait_s", "peak_mem_bytes", "tokens_seen"}

@@ -25,7 +25,7 @@ def test_warmup_then_cosine() -> None:
 
 
 def test_hanging_wandb_init_does_not_stall(monkeypatch, tmp_path) -> None:
-    from trainer import wandb_log
+    from trainer.observe import wandb_log
 
     fake = types.SimpleNamespace(init=lambda **kw: time.sleep(60), Settings=lambda **kw: None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
@@ -35,7 +35,7 @@ def test_hanging_wandb_init_does_not_stall(monkeypatch, tmp_path) -> None:
 
 
 def test_failing_wandb_init_does_not_stop_training(monkeypatch, tmp_path) -> None:
-    from trainer import wandb_log
+    from trainer.observe import wandb_log
 
     def broken(**kwargs):
         raise RuntimeError("service unreachable")
@@ -47,7 +47,7 @@ def test_failing_wandb_init_does_not_stop_training(monkeypatch, tmp_path) -> Non
 
 @pytest.mark.slow
 def test_token_files_from_the_tokenize_command_train(tmp_path) -> None:
-    from trainer.tokenize import main as tokenize
+    from trainer.data.tokenize import main as tokenize
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

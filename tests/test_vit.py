@@ -12,7 +12,7 @@ from tests.checkpoint_harness import assert_policies_bitwise, train_steps
 from tests.dist import spawn
 from tests.helpers import config
 from trainer.build import build_model
-from trainer.vit import classification_loss
+from trainer.models.vit import classification_loss
 
 # 32x32 images in 8x8 patches (16 tokens + the class token), dropout on.
 SMALL = ["model=vit_tiny", "model.image_size=32", "model.patch_size=8", "model.dim=32",
@@ -65,7 +65,7 @@ HIGH_RES = ["model=vit_tiny", "model.image_size=1024", "model.dim=64", "model.n_
 
 def test_full_checkpointing_at_1024px_keeps_only_block_inputs_with_identical_gradients(
         world_of_one) -> None:
-    from trainer.scenario import Evaluator, Scenario
+    from trainer.fit.scenario import Evaluator, Scenario
     from trainer.cli import check
 
     runs = {p: _run(HIGH_RES + [f"checkpointing={p}"], steps=1, rank=0) for p in ("none", "full")}
@@ -143,7 +143,7 @@ def _image_folder(root, sizes=((48, 40), (40, 64), (33, 33))):
 
 
 def test_image_folder_labels_by_sorted_class_and_crops_to_size(tmp_path) -> None:
-    from trainer.images import MEAN, STD, ImageFolder
+    from trainer.data.images import MEAN, STD, ImageFolder
 
     _image_folder(tmp_path)
     train = ImageFolder(str(tmp_path / "train"), 32, 3, "data.train_path")
@@ -160,8 +160,8 @@ def test_image_folder_labels_by_sorted_class_and_crops_to_size(tmp_path) -> None
 
 
 def test_augmented_samples_vary_by_draw_and_repeat_for_the_same_draw(tmp_path) -> None:
-    from trainer.data import train_batch
-    from trainer.images import ImageFolder
+    from trainer.data.tokens import train_batch
+    from trainer.data.images import ImageFolder
 
     _image_folder(tmp_path)
     plain = ImageFolder(str(tmp_path / "train"), 32, 3, "data.train_path")
@@ -184,7 +184,7 @@ def test_augmented_samples_vary_by_draw_and_repeat_for_the_same_draw(tmp_path) -
 
 
 def test_grey_images_have_one_channel(tmp_path) -> None:
-    from trainer.images import ImageFolder
+    from trainer.data.images import ImageFolder
 
     _image_folder(tmp_path)
     image, _ = ImageFolder(str(tmp_path / "val"), 16, 1, "data.val_path")[0]
@@ -224,7 +224,7 @@ def test_image_folder_with_other_class_count_names_num_classes(tmp_path) -> None
 
 
 def test_synthetic_images_depend_only_on_seed_stream_and_index() -> None:
-    from trainer.images import SyntheticImages
+    from trainer.data.images import SyntheticImages
 
     a = SyntheticImages(10, 48, 3, 100, seed=1, stream=0)
     b = SyntheticImages(10, 48, 3, 100, seed=1, stream=0)
@@ -251,9 +251,9 @@ def test_exported_vit_fine_tunes_at_a_higher_resolution_with_a_new_head(tmp_path
 
     from tests.helpers import REPO, check_ok, run_trainer
     from trainer.config import ConfigError
-    from trainer.export import main as export_main
+    from trainer.state.export import main as export_main
     from trainer.validate import validate
-    from trainer.vit import resize_positions
+    from trainer.models.vit import resize_positions
 
     run_dir, out = tmp_path / "run", tmp_path / "export"
     check_ok(run_trainer([*CLI, "train.steps=3", f"hydra.run.dir={run_dir}"], REPO))
@@ -278,7 +278,7 @@ def test_exported_vit_fine_tunes_at_a_higher_resolution_with_a_new_head(tmp_path
 
 
 def test_resized_positions_keep_the_class_token_and_a_constant_grid() -> None:
-    from trainer.vit import resize_positions
+    from trainer.models.vit import resize_positions
 
     saved = torch.cat([torch.full((1, 1, 4), 7.0), torch.full((1, 16, 4), 2.0)], dim=1)
     resized = resize_positions(saved, 8)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from trainer import cli
 from trainer.config import ConfigError, register_schema
-from trainer.rundir import register_resolver
+from trainer.state.rundir import register_resolver
 
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
@@ -34,10 +34,10 @@ def _run(cfg: DictConfig) -> None:
     from offload.engine import OffloadError
     from trainer.loop import train
     from trainer.faults import CollectiveFailure, FaultLimit
-    from trainer.precheck import as_config_error, setting_of
-    from trainer.ownership import RunDirBusy
-    from trainer.save_errors import SAVE_FAILED_EXIT, SaveFailed
-    from trainer.state import CheckpointError
+    from trainer.fit.precheck import as_config_error, setting_of
+    from trainer.state.ownership import RunDirBusy
+    from trainer.state.save_errors import SAVE_FAILED_EXIT, SaveFailed
+    from trainer.state.checkpoint import CheckpointError
 
     from hydra.types import RunMode
 

@@ -34,7 +34,7 @@ from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
 from trainer.config import Config, ConfigError, ModelConfig
-from trainer.model import LlamaArgs, build_llama, flops_per_token
+from trainer.models.llama import LlamaArgs, build_llama, flops_per_token
 from trainer.task import task_for
 
 log = logging.getLogger("trainer")
@@ -58,7 +58,7 @@ def build_llama_on_meta(cfg: ModelConfig) -> nn.Module:
 
 
 def vit_args(cfg: ModelConfig):
-    from trainer.vit import ViTArgs
+    from trainer.models.vit import ViTArgs
 
     return ViTArgs(image_size=cfg.image_size, patch_size=cfg.patch_size, channels=cfg.channels,
                    num_classes=cfg.num_classes, dim=cfg.dim, n_layers=cfg.n_layers,
@@ -69,21 +69,21 @@ def vit_args(cfg: ModelConfig):
 def build_on_meta(cfg: ModelConfig) -> nn.Module:
     """The model of `model.arch`, parameters on the meta device."""
     if cfg.arch == "hf":
-        from trainer.hf import build_hf_on_meta
+        from trainer.models.hf import build_hf_on_meta
 
         return build_hf_on_meta(cfg.hf_config, cfg.path, cfg.attn_implementation)
     if cfg.arch == "hf_vision":
-        from trainer.hf_vision import build_hf_vision_on_meta
+        from trainer.models.hf_vision import build_hf_vision_on_meta
 
         return build_hf_vision_on_meta(cfg.hf_config, cfg.path, cfg.image_size, cfg.num_classes,
                                        cfg.channels, cfg.dropout, cfg.attn_implementation)
     if cfg.arch == "timm":
-        from trainer.timm_vision import build_timm_on_meta
+        from trainer.models.timm_vision import build_timm_on_meta
 
         return build_timm_on_meta(cfg.name, cfg.checkpoint_path, cfg.image_size, cfg.num_classes,
                                   cfg.channels, cfg.dropout, cfg.timm_args)
     if cfg.arch == "vit":
-        from trainer.vit import build_vit
+        from trainer.models.vit import build_vit
 
         return build_vit(vit_args(cfg), device="meta", path=cfg.path)
     return build_llama_on_meta(cfg)
@@ -110,7 +110,7 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
 
 
 def model_flops_per_token(cfg: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
-    """Training FLOPs per token for MFU (see trainer/model.py's flops_per_token)."""
+    """Training FLOPs per token for MFU (see trainer/models/llama.py's flops_per_token)."""
     if cfg.arch in ("hf", "vit", "hf_vision", "timm"):
         return model.flops_per_token(tokens_per_sample)
     return flops_per_token(llama_args(cfg), tokens_per_sample)
@@ -181,7 +181,7 @@ class Built:
     compiled_blocks: int = 0  # blocks whose forward torch.compile replaced
     offloader: Optional[Offloader] = None
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
-    decision: Optional[object] = None  # trainer/autofit.py's Decision, when it chose the plan
+    decision: Optional[object] = None  # trainer/fit/autofit.py's Decision, when it chose the plan
     build_s: float = 0.0  # seconds build_model took: meta model, profiling (compiling there too)
     started: float = 0.0  # time.perf_counter() when build_model began
 
@@ -194,7 +194,7 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
     if c.policy == "none":
         return choose_plan("none", names, shard), None, 0, None
     if c.policy == "file":
-        from trainer.planfile import read_plan
+        from trainer.state.planfile import read_plan
 
         return read_plan(c.plan_file, names, shard, cfg.train.compile), None, 0, None
     payload = [None]

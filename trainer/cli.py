@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
 from trainer.validate import Layout, check_writable, validate  # noqa: F401
-from trainer.rundir import register_resolver
+from trainer.state.rundir import register_resolver
 
 USAGE_ERROR = 2
 _HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c",
@@ -187,7 +187,7 @@ def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
         jobs = expand_sweep(overrides) if any(a in _MULTIRUN_FLAGS for a in argv) else [overrides]
         for job in jobs:
             cfg, layout = check(job, env)
-            from trainer.precheck import deep_check  # may import torch: after the quick checks
+            from trainer.fit.precheck import deep_check  # may import torch: after the quick checks
 
             _, world, nodes = world_from_env(env)
             deep_check(cfg, layout, max(1, world // nodes))

@@ -28,6 +28,12 @@ class ConfigError(ValueError):
         self.key = key
 
 
+def require(cond: bool, key: str, message: str) -> None:
+    """Raise the ConfigError naming `key` unless `cond` holds."""
+    if not cond:
+        raise ConfigError(key, message)
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # preset name, for logs and run names
@@ -105,7 +111,7 @@ class TrainConfig:
     steps: int = 300
     seed: int = 0
     # Sequences per forward on each rank; `auto` (with global_batch_size) picks the one with the
-    # least predicted step time that fits train.memory_gib (see trainer/autofit.py).
+    # least predicted step time that fits train.memory_gib (see trainer/fit/autofit.py).
     micro_batch_size: Any = 16
     grad_accum: int = 1
     # When set, grad_accum is derived: global_batch_size / (micro_batch_size * data-parallel size).
@@ -182,7 +188,7 @@ class LoggingConfig:
     # optimizer step and log them as live_peak_bytes: the quantity the memory model predicts,
     # also on CPU where the process peak includes the interpreter. Slows that one step.
     live_bytes_step: Optional[int] = None
-    # Alerts (trainer/watch.py): console/train.log `ALERT` lines, metrics.jsonl events, W&B.
+    # Alerts (trainer/observe/watch.py): console/train.log `ALERT` lines, metrics.jsonl events, W&B.
     alert_interval_s: float = 300.0  # at most one alert of a kind per this many seconds
     # tokens/s below this fraction of the running median of the last window steps: drift
     # (0 turns it off)
@@ -194,7 +200,7 @@ class LoggingConfig:
 
 @dataclass
 class SaveConfig:
-    """Training-state checkpoints (model, optimizer, schedule, data position, RNG): trainer/state.py."""
+    """Training-state checkpoints (model, optimizer, schedule, data position, RNG): trainer/state/checkpoint.py."""
 
     every: int = 100  # save after every N optimizer steps; 0: only at the end and on preemption
     keep: int = 2  # committed checkpoints kept; older ones go once a newer one is committed

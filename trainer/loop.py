@@ -1,8 +1,8 @@
 """The training run: set up once, then a loop whose step reads top to bottom.
 
 Eval, logging and state saving sit outside `train_step` behind "every N steps" guards; resume,
-rollback and fault handling live in trainer/resume.py, trainer/state.py and trainer/faults.py;
-alerts in trainer/watch.py, what W&B shows beyond the metrics in trainer/dashboard.py.
+rollback and fault handling live in trainer/state/resume.py, trainer/state/checkpoint.py and trainer/faults.py;
+alerts in trainer/observe/watch.py, what W&B shows beyond the metrics in trainer/observe/dashboard.py.
 """
 
 from __future__ import annotations
@@ -26,28 +26,28 @@ from offload.apply import close_offloader, offload_micro_batch
 from offload.engine import Offloader
 from trainer.distenv import DistEnv, init_distributed, read_env, shutdown
 from sharding.fsdp import reshard_all, set_grad_sync
-from trainer.autofit import fitting, rows as fit_rows, table as fit_table
+from trainer.fit.autofit import fitting, rows as fit_rows, table as fit_table
 from trainer.build import Built, build_model
-from trainer.fitrun import DECISION_FILE as FIT_FILE, fit_run
+from trainer.fit.fitrun import DECISION_FILE as FIT_FILE, fit_run
 from trainer.config import Config
 from trainer.validate import Layout
-from trainer.hf_settings import model_vocab_size
-from trainer.livebytes import step_tracker
-from trainer.data import train_batch, val_batches
-from trainer.model import lm_loss
-from trainer.prefetch import Prefetcher
+from trainer.models.hf_settings import model_vocab_size
+from trainer.observe.livebytes import step_tracker
+from trainer.data.tokens import train_batch, val_batches
+from trainer.models.llama import lm_loss
+from trainer.data.prefetch import Prefetcher
 from trainer.task import Task, build_task_datasets, task_for
 from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
                             injected_loss, is_collective_failure, name_failure, step_vote)
-from trainer.dashboard import end_of_run, start_logging, start_of_run, watch_memory
-from trainer.watch import Alerts, ThroughputWatch, bad_step
-from trainer.metrics import (device_used_bytes, peak_flops, peak_memory_bytes,
+from trainer.observe.dashboard import end_of_run, start_logging, start_of_run, watch_memory
+from trainer.observe.watch import Alerts, ThroughputWatch, bad_step
+from trainer.observe.metrics import (device_used_bytes, peak_flops, peak_memory_bytes,
                              peak_reserved_bytes, run_summary, startup_fields, startup_line,
                              summary_fields)
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from trainer.ownership import RunDirBusy, RunLock, set_aside
-from trainer.resume import Progress, resume, train_state
-from trainer.state import Checkpointer, checkpoint_path, clear_stopped, mark_stopped
+from trainer.state.ownership import RunDirBusy, RunLock, set_aside
+from trainer.state.resume import Progress, resume, train_state
+from trainer.state.checkpoint import Checkpointer, checkpoint_path, clear_stopped, mark_stopped
 
 log = logging.getLogger("trainer")
 INTERRUPTED_EXIT = 130  # the shell's status for a command stopped by Ctrl-C

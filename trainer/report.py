@@ -12,18 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-import re
 import sys
-from dataclasses import asdict
+import time
 from typing import Optional, Sequence
 
 from trainer.cli import check, report
 from trainer.config import ConfigError
-from trainer.task import task_for
-
-GIB = 2 ** 30
-DEFAULT_TFLOPS = 400.0
+from trainer.fit.report import (DEFAULT_TFLOPS, GIB, advice_lines, block_rows, summary, table,
+                                verdict)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,7 +68,7 @@ def output_dir(args: argparse.Namespace, cfg) -> str:
 
 
 def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
-    from trainer.autofit import fitting
+    from trainer.fit.autofit import fitting
 
     """--gpu-memory-gib, else train.memory_gib, else the visible CUDA device (less
     train.memory_reserve_gib when fitting, as the trainer does)."""
@@ -88,149 +84,6 @@ def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
     return None
 
 
-def collapse(rows: Sequence[dict]) -> list[tuple[str, dict]]:
-    """Consecutive rows with equal numbers become one, named like 'layers.0-79 x80'."""
-    groups: list[list[dict]] = []
-    for row in rows:
-        key = (row["recompute"], row["saved_bytes"], row["recompute_flops"])
-        if groups and (groups[-1][0]["recompute"], groups[-1][0]["saved_bytes"],
-                       groups[-1][0]["recompute_flops"]) == key:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    out = []
-    for group in groups:
-        first, last = group[0]["name"], group[-1]["name"]
-        if len(group) == 1:
-            out.append((first, group[0]))
-            continue
-        head = re.match(r"(.*?)(\d*)$", first).groups()
-        tail = re.match(r"(.*?)(\d*)$", last).groups()
-        span = (f"{head[0]}{head[1]}-{tail[1]}" if head[0] == tail[0] and head[1] and tail[1]
-                else f"{first}..{last}")
-        out.append((f"{span} x{len(group)}", group[0]))
-    return out
-
-
-def block_rows(outcome) -> list[dict]:
-    est = outcome.estimate
-    return [{"index": p.index, "name": p.name, "recompute": p.recompute,
-             "saved_bytes": saved, "recompute_flops": flops,
-             "working_set_bytes": measure.peak_bytes[p.recompute]}
-            for p, saved, flops, measure in zip(outcome.plan, est.block_saved, est.block_flops,
-                                                outcome.profile.blocks)]
-
-
-def summary(outcome) -> dict:
-    """Every number of one prediction, for memory_plan.json."""
-    est, sc = outcome.estimate, outcome.scenario
-    return {
-        "world_size": sc.layout.world_size, "nodes": sc.layout.world_size // sc.gpus_per_node,
-        "sharding": sc.cfg.sharding.mode, "shard": sc.layout.shard,
-        "replicate": sc.layout.replicate, "grad_accum": sc.layout.grad_accum,
-        "micro_batch_size": sc.cfg.train.micro_batch_size,
-        "tokens_per_sample": task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample,
-        "param_dtype": sc.cfg.sharding.param_dtype, "policy": sc.cfg.checkpointing.policy,
-        "per_rank_bytes": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
-                           "activation_peak": est.activation_peak,
-                           "end_of_forward_activations": est.end_of_forward,
-                           "no_checkpoint_activations": est.no_checkpoint,
-                           "predicted_peak": est.peak.total},
-        "peak_phase": {**asdict(est.peak), "total": est.peak.total},
-        "phases": [{**asdict(p), "total": p.total} for p in est.phases],
-        "recompute_flops_per_step": est.recompute_flops,
-        "recompute_seconds_per_step": est.recompute_flops * outcome.seconds_per_flop,
-        "host_bytes": est.host, "not_modeled": not_modeled(sc.cfg),
-        "budget_bytes": outcome.budget.bytes if outcome.budget else None,
-        "rest_bytes": outcome.profile.rest_bytes,
-        "head": asdict(outcome.profile.head),
-    }
-
-
-def table(outcome, tflops: float) -> str:
-    est, sc = outcome.estimate, outcome.scenario
-    tokens = task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample
-    lines = [f"{'block':<22} {'option':<10} {'saved MiB':>11} {'recompute GFLOP':>16}"]
-    for name, row in collapse(block_rows(outcome)):
-        lines.append(f"{name:<22} {row['recompute']:<10} {row['saved_bytes'] / 2**20:>11.2f} "
-                     f"{row['recompute_flops'] / 1e9:>16.1f}")
-    peak = est.peak
-    dtype = sc.cfg.sharding.param_dtype or "float32 (no mixed precision)"
-    lines += [
-        "",
-        f"per rank: world {sc.layout.world_size} ({sc.cfg.sharding.mode}, shard "
-        f"{sc.layout.shard} x replicate {sc.layout.replicate}), micro-batch "
-        f"{sc.cfg.train.micro_batch_size} x {tokens} tokens, grad_accum "
-        f"{sc.layout.grad_accum}, param dtype {dtype}",
-        f"  {'parameters (this rank' + chr(39) + 's shard)':<39} {peak.params / GIB:>9.2f} GiB",
-        f"  {'gradients (at the peak)':<39} {peak.grads / GIB:>9.2f} GiB"
-        f"   ({(0 if est.host else est.grads) / GIB:.2f} after backward)",
-        f"  {'optimizer (AdamW exp_avg, exp_avg_sq)':<39} {peak.optimizer / GIB:>9.2f} GiB",
-        f"  {'unsharded params/grads, temporaries':<39} {peak.unsharded / GIB:>9.2f} GiB",
-        f"  {'activations (then)':<39} {peak.activations / GIB:>9.2f} GiB"
-        f"   (their own peak {est.activation_peak / GIB:.2f} GiB, in the forward/backward; end "
-        f"of forward {est.end_of_forward / GIB:.2f}; no checkpointing "
-        f"{est.no_checkpoint / GIB:.2f})",
-        f"  {'predicted peak':<39} {peak.total / GIB:>9.2f} GiB   (during {peak.name}: the "
-        "lines above are that moment's)",
-        f"recompute: {est.recompute_flops / 1e12:.1f} TFLOP per step = "
-        f"{est.recompute_flops * outcome.seconds_per_flop:.3f} s at a nominal {tflops:g} TFLOP/s "
-        "per GPU (--tflops)",
-    ]
-    if est.host:
-        lines.append(f"host memory (sharding.cpu_offload): parameters, gradients and optimizer "
-                     f"state {est.host / GIB:.2f} GiB per rank, not on the GPU")
-    for note in not_modeled(sc.cfg):
-        lines.append(f"note: {note}")
-    if outcome.budget is not None:
-        lines.append(f"budget: {outcome.budget.bytes / GIB:.2f} GiB of activations per rank "
-                     f"(no checkpointing: {outcome.budget.no_checkpoint_bytes / GIB:.2f} GiB)")
-    return "\n".join(lines)
-
-
-def not_modeled(cfg) -> list[str]:
-    """Settings the memory model does not follow yet; the prediction is then an upper bound."""
-    notes = []
-    if cfg.offload.target != "none":
-        notes.append(f"offload={cfg.offload.target}: offloaded blocks keep only their storages "
-                     f"under offload.min_bytes on the device; the block fetched ahead in backward "
-                     "is counted; the offload engine's own buffers are not")
-    if cfg.checkpointing.policy == "compiler":
-        notes.append("checkpointing=compiler: torch.compile's partitioner chooses what each "
-                     "block keeps when it compiles; predicted as checkpointing=none, which keeps "
-                     "the most (the run's act_saved_bytes measures what it kept)")
-    elif cfg.train.compile:
-        notes.append("train.compile=true is not modeled: compiled blocks may keep other "
-                     "tensors than the eager ones measured here")
-    return notes
-
-
-def verdict(peak: int, capacity: Optional[int]) -> str:
-    if capacity is None:
-        return ("no verdict: pass --gpu-memory-gib (no CUDA device is visible); tensors only, "
-                "leave headroom for the CUDA context, NCCL and fragmentation")
-    if peak <= capacity:
-        return (f"fits: predicted peak {peak / GIB:.2f} GiB of {capacity / GIB:.2f} GiB per GPU "
-                f"({(capacity - peak) / GIB:.2f} GiB left for the CUDA context, NCCL and "
-                "fragmentation)")
-    return f"does NOT fit (needs {peak / GIB:.2f} GiB, has {capacity / GIB:.2f} GiB)"
-
-
-def advice_lines(advice: Sequence) -> str:
-    """The changes that fit (with their peaks), then the ones tried that still do not."""
-    fitting = [s for s in advice if s.fits]
-    lines = ["would fit with one of:" if fitting else
-             "no single change tried makes it fit (checkpointing, micro-batch, more ranks, "
-             "bfloat16 parameters); combine them"]
-    lines += [f"  {s.change:<44} predicted peak {s.outcome.estimate.peak.total / GIB:.2f} GiB"
-              for s in fitting]
-    if len(fitting) < len(advice):
-        lines.append("tried, still too large:")
-        lines += [f"  {s.change:<44} predicted peak {s.outcome.estimate.peak.total / GIB:.2f} GiB"
-                  for s in advice if not s.fits]
-    return "\n".join(lines)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -241,12 +94,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as exc:
         report(exc, {})
         sys.exit(2)
-    from trainer.advice import suggest
-    from trainer.plot import plot_plan
+    from trainer.fit.advice import suggest
+    from trainer.fit.plot import plot_plan
     from checkpointing.policies import BudgetError
-    from trainer.autofit import (at_micro_batch, decide, fitting, flop_timing,
+    from trainer.fit.autofit import (at_micro_batch, decide, fitting, flop_timing,
                                  rows as fit_rows, table as fit_table)
-    from trainer.scenario import Evaluator, Scenario, device_type_of
+    from trainer.fit.scenario import Evaluator, Scenario, device_type_of
 
     # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary),
     # unless the run is for the CPU (train.device=cpu).

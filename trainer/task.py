@@ -52,12 +52,12 @@ class Task:
 
 def task_for(model: ModelConfig, data: DataConfig) -> Task:
     if model.arch in IMAGE_ARCHS:
-        from trainer.vit import class_loss
+        from trainer.models.vit import class_loss
 
         side = model.image_size // model.patch_size
         return Task("classification", (model.channels, model.image_size, model.image_size),
                     side * side, class_loss)
-    from trainer.model import next_token_loss
+    from trainer.models.llama import next_token_loss
 
     return Task("lm", (data.seq_len,), data.seq_len, next_token_loss)
 
@@ -65,21 +65,21 @@ def task_for(model: ModelConfig, data: DataConfig) -> Task:
 def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, seed: int):
     """(train, val) datasets for the task: token windows, or labelled images."""
     if data.source in IMAGE_SOURCES:
-        from trainer.images import image_datasets
+        from trainer.data.images import image_datasets
 
         preprocess = None
         if model.arch == "hf_vision":  # the pretrained model's own mean, std and resampling
-            from trainer.hf_vision import preprocessing
+            from trainer.models.hf_vision import preprocessing
 
             preprocess = preprocessing(model.path)
         elif model.arch == "timm":  # timm's pretrained config of the model: mean, std, interpolation
-            from trainer.timm_vision import preprocessing as timm_preprocessing
+            from trainer.models.timm_vision import preprocessing as timm_preprocessing
 
             preprocess = timm_preprocessing(model.name, model.timm_args)
         return image_datasets(data.source, model.image_size, model.channels, model.num_classes,
                               seed, data.train_path, data.val_path, data.augment,
                               data.skip_bad_images, preprocess)
-    from trainer.data import build_datasets
+    from trainer.data.tokens import build_datasets
 
     train, val, _ = build_datasets(data.source, data.seq_len, vocab_size, seed, data.train_path,
                                    data.val_path, data.token_dtype, data.max_corpus_bytes)

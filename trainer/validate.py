@@ -7,8 +7,10 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
-from trainer.config import CHOICES, DTYPES, IMAGE_ARCHS, SIGNALS, Config, ConfigError, DataConfig
+from trainer.config import (CHOICES, DTYPES, IMAGE_ARCHS, SIGNALS, CheckpointingConfig, Config,
+                            ConfigError, DataConfig, TrainConfig, require)
 
 IMAGE_SOURCES = ("images", "synthetic_images")
 
@@ -29,11 +31,6 @@ def _get(cfg: Config, key: str):
     for part in key.split("."):
         node = getattr(node, part)
     return node
-
-
-def require(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(key, message)
 
 
 def _check_token_files(data: DataConfig, vocab_size: int) -> None:
@@ -88,7 +85,7 @@ def check_writable(path: str, key: str) -> None:
 def _check_text(cfg: Config) -> None:
     m = cfg.model
     if m.arch == "hf":
-        from trainer.hf_settings import check_hf
+        from trainer.models.hf_settings import check_hf
 
         check_hf(cfg)
     require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
@@ -104,7 +101,7 @@ def _check_text(cfg: Config) -> None:
                 "data.source=tokens needs data.val_path=<file.bin>")
         _check_token_files(cfg.data, m.vocab_size)
     if cfg.data.source == "bytes":
-        from trainer.hf_settings import model_vocab_size
+        from trainer.models.hf_settings import model_vocab_size
 
         vocab = model_vocab_size(m)
         require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
@@ -125,12 +122,12 @@ def _check_images(cfg: Config) -> None:
             f"must divide model.image_size={m.image_size}, got {m.patch_size}")
     require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
     if m.arch == "hf_vision":
-        from trainer.hf_settings import check_hf
+        from trainer.models.hf_settings import check_hf
 
         check_hf(cfg)
         return _check_image_folders(cfg)
     if m.arch == "timm":
-        from trainer.timm_vision import check_timm
+        from trainer.models.timm_vision import check_timm
 
         check_timm(cfg)
         return _check_image_folders(cfg)
@@ -149,7 +146,7 @@ def _check_image_folders(cfg: Config) -> None:
         require(bool(folder) and os.path.isdir(folder), key,
                 f"data.source=images needs {key}=<folder of <class>/<image> folders>, got "
                 f"{folder}")
-    from trainer.images import IMAGE_EXTENSIONS, class_folders, has_image
+    from trainer.data.images import IMAGE_EXTENSIONS, class_folders, has_image
 
     classes = {}
     for key in ("data.train_path", "data.val_path"):
@@ -187,7 +184,18 @@ def _check_pretrained_vit(cfg: Config) -> None:
 
 
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
-    """Checks every value a type cannot, against the world this run will have."""
+    """Checks every value a type cannot, against the world this run will have; the first
+    mistake found (in this order) is the one reported."""
+    _check_ranges(cfg)
+    _check_fitting(cfg.train, cfg.checkpointing.policy, cfg.logging.live_bytes_step)
+    _check_checkpointing(cfg.checkpointing, cfg.train.compile)
+    _check_run_control(cfg)
+    _check_model_and_data(cfg)
+    return _layout(cfg, world_size, num_nodes)
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Choices, signs and ranges of single values."""
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         require(value in allowed, key, f"got {value!r}; choose one of {', '.join(allowed)}")
@@ -216,7 +224,9 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(value is None or value in DTYPES, key,
                 f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
 
-    t = cfg.train
+
+def _check_fitting(t: TrainConfig, policy: str, live_bytes_step: Optional[int]) -> None:
+    """The micro-batch, the memory to fit and what `auto` needs."""
     auto_batch = t.micro_batch_size == "auto"
     require(auto_batch or (isinstance(t.micro_batch_size, int)
                            and not isinstance(t.micro_batch_size, bool)
@@ -226,9 +236,9 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
             f"must be null or > 0 GiB, got {t.memory_gib}")
     require(t.memory_reserve_gib >= 0, "train.memory_reserve_gib",
             f"must be >= 0 GiB, got {t.memory_reserve_gib}")
-    fitting = auto_batch or cfg.checkpointing.policy == "auto"
+    fitting = auto_batch or policy == "auto"
     if fitting and t.memory_gib is None:
-        what = ("checkpointing=auto" if cfg.checkpointing.policy == "auto"
+        what = ("checkpointing=auto" if policy == "auto"
                 else "train.micro_batch_size=auto")
         require(t.device != "cpu", "train.memory_gib",
                 f"{what} on CPU needs the memory one rank may use, e.g. train.memory_gib=2 "
@@ -237,14 +247,15 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(t.global_batch_size is not None, "train.global_batch_size",
                 "train.micro_batch_size=auto needs the global batch fixed, e.g. "
                 "train.global_batch_size=64")
-        require(cfg.checkpointing.policy != "budget", "checkpointing",
+        require(policy != "budget", "checkpointing",
                 "budget fixes activation bytes, not the step's memory; with "
                 "train.micro_batch_size=auto use checkpointing=auto (or a fixed policy)")
-    require(cfg.logging.live_bytes_step is None or cfg.logging.live_bytes_step > 0,
-            "logging.live_bytes_step", f"must be null or a step >= 1, got "
-            f"{cfg.logging.live_bytes_step}")
+    require(live_bytes_step is None or live_bytes_step > 0,
+            "logging.live_bytes_step", f"must be null or a step >= 1, got {live_bytes_step}")
 
-    c = cfg.checkpointing
+
+def _check_checkpointing(c: CheckpointingConfig, compile_on: bool) -> None:
+    """The policy's own settings, each refused where it does not apply."""
     if c.policy == "file":
         require(c.plan_file is not None and os.path.isfile(c.plan_file),
                 "checkpointing.plan_file", f"checkpointing=file needs a plan.json of an earlier "
@@ -259,13 +270,16 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     else:
         require(c.budget is None, "checkpointing.budget",
                 f"only applies to checkpointing=budget or compiler (now checkpointing={c.policy})")
-    require(c.policy != "compiler" or cfg.train.compile, "train.compile",
+    require(c.policy != "compiler" or compile_on, "train.compile",
             "checkpointing=compiler leaves recompute to torch.compile's partitioner: set "
             "train.compile=true (or choose checkpointing=budget for the same budget in eager)")
     if c.policy == "selective":
         require(len(c.save_ops) > 0, "checkpointing.save_ops",
                 "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")
 
+
+def _check_run_control(cfg: Config) -> None:
+    """Offload, stopping, saving, faults and alerts."""
     o = cfg.offload
     for key in ("offload.min_bytes", "offload.keep_last"):
         require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
@@ -304,6 +318,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
         require(cfg.sharding.mode != "none", "sharding.cpu_offload",
                 "needs sharding=fsdp or hsdp (FSDP2 moves the shards to CPU memory)")
 
+
+def _check_model_and_data(cfg: Config) -> None:
     require(not cfg.data.augment or cfg.data.source == "images", "data.augment",
             f"only applies to data=images (now data.source={cfg.data.source})")
     m = cfg.model
@@ -315,7 +331,12 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     else:
         _check_text(cfg)
 
-    s = cfg.sharding
+
+def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:
+    """The data-parallel layout: replicas x shards, and the gradient accumulation that makes
+    the global batch."""
+    s, t = cfg.sharding, cfg.train
+    auto_batch = t.micro_batch_size == "auto"
     if s.mode == "none":
         for key in ("sharding.param_dtype", "sharding.reduce_dtype"):
             require(_get(cfg, key) is None, key, "mixed precision needs sharding=fsdp or hsdp")
@@ -330,7 +351,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
                 f"{replicate} does not divide the world size {world_size}")
     shard = world_size // replicate if s.mode != "none" else 1
 
-    # micro_batch_size=auto: the layout of micro-batch 1 until trainer/autofit.py chooses one.
+    # micro_batch_size=auto: the layout of micro-batch 1 until trainer/fit/autofit.py chooses one.
     per_accum = (1 if auto_batch else t.micro_batch_size) * world_size
     if t.global_batch_size is None:
         grad_accum = t.grad_accum

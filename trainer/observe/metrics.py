@@ -118,7 +118,7 @@ class RunLogger:
 
     def alert(self, kind: str, step: int, text: str, level: str, sent: bool,
               wandb_step: Optional[int] = None) -> None:
-        """One alert (trainer/watch.py decides, and rate-limits `sent`)."""
+        """One alert (trainer/observe/watch.py decides, and rate-limits `sent`)."""
         if not self.enabled:
             return
         self._file.write(json.dumps({"step": step, "alert": kind, "level": level, "text": text,

@@ -66,7 +66,7 @@ def _hf_model_type(cfg: Config) -> None:
     m = cfg.model
     if m.arch != "hf":
         return
-    from trainer.hf_settings import hf_fields
+    from trainer.models.hf_settings import hf_fields
 
     model_type = hf_fields(m).get("model_type")
     key = "model.hf_config.model_type" if m.path is None else "model.path"
@@ -90,13 +90,13 @@ def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
     """checkpointing=auto or micro_batch_size=auto with a train.memory_gib that not even the
     smallest micro-batch fits: the trainer's own one line, before anything starts. The memory
     model alone decides this (no timing), at the smallest candidate (the least memory)."""
-    from trainer.autofit import GIB, at_micro_batch, decide, fitting, flop_timing, micro_batches
+    from trainer.fit.autofit import GIB, at_micro_batch, decide, fitting, flop_timing, micro_batches
 
     if not fitting(cfg) or cfg.train.memory_gib is None:
         return
     import torch
 
-    from trainer.scenario import Evaluator, Scenario
+    from trainer.fit.scenario import Evaluator, Scenario
 
     cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto"
                                         and not torch.cuda.is_available())
@@ -119,8 +119,8 @@ def _token_files(cfg: Config) -> None:
     d = cfg.data
     if d.source != "tokens":
         return
-    from trainer.data import read_meta, token_file
-    from trainer.hf_settings import model_vocab_size
+    from trainer.data.tokens import read_meta, token_file
+    from trainer.models.hf_settings import model_vocab_size
 
     vocab = model_vocab_size(cfg.model)
     for key, path in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):

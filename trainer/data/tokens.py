@@ -206,7 +206,7 @@ def _stack(dataset: Windows, window_ids: np.ndarray, draws: np.ndarray | None = 
         items = [dataset.sample(int(k), int(g)) for k, g in zip(window_ids, draws)]
     else:
         items = [dataset[int(k)] for k in window_ids]
-    if isinstance(items[0], tuple):  # (image, label) samples (trainer/images.py)
+    if isinstance(items[0], tuple):  # (image, label) samples (trainer/data/images.py)
         return (torch.stack([x for x, _ in items]),
                 torch.tensor([y for _, y in items], dtype=torch.long))
     windows = torch.stack(items)  # token windows: inputs, and targets shifted by one

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from trainer.weights import BufferKeeper, SafetensorsReader
+from trainer.models.weights import BufferKeeper, SafetensorsReader
 
 PREFIX = "hf."  # parameter names inside the wrapper; the HF name follows
 
@@ -111,7 +111,7 @@ class HFCausalLM(HFWrapper):
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 N + 12 L d T, with N the non-embedding parameters counting the output head (a tied
-        head once, as the head), as trainer/model.py's flops_per_token for our Llama."""
+        head once, as the head), as trainer/models/llama.py's flops_per_token for our Llama."""
         embedding = self.hf.get_input_embeddings().weight
         head = self.hf.get_output_embeddings()
         tied = head is not None and head.weight is embedding

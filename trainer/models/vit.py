@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.weights import SafetensorsReader
+from trainer.models.weights import SafetensorsReader
 
 log = logging.getLogger("trainer")
 

@@ -1,6 +1,6 @@
 """Reading the next batches in background threads while the current step computes.
 
-A batch is a pure function of its data index (trainer/data.py's sampler), so reading ahead
+A batch is a pure function of its data index (trainer/data/tokens.py's sampler), so reading ahead
 cannot change what a step sees: `get(i)` returns exactly `read(i)`. Only the time moves: decoding
 high-resolution images (Pillow and numpy release the GIL) overlaps the forward and backward.
 After a jump (resume, rollback) the read-ahead is dropped and the batch is read in place.

@@ -22,8 +22,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from trainer.hf import PREFIX, HFModelError, HFWrapper, _hf_config, _parameters_on_meta
-from trainer.vit import resize_positions
+from trainer.models.hf import PREFIX, HFModelError, HFWrapper, _hf_config, _parameters_on_meta
+from trainer.models.vit import resize_positions
 
 log = logging.getLogger("trainer")
 # Where ViT-family models keep their learned position table ([1, 1 + grid*grid, dim]).

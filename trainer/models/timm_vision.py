@@ -29,13 +29,13 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from trainer.hf import HFModelError, _parameters_on_meta
-from trainer.weights import BufferKeeper
+from trainer.models.hf import HFModelError, _parameters_on_meta
+from trainer.models.weights import BufferKeeper
 
 log = logging.getLogger("trainer")
 PREFIX = "timm."
 LOCAL_DIR = "local-dir:"
-# timm's interpolation names -> Pillow's resample codes (what trainer/images.py resizes with).
+# timm's interpolation names -> Pillow's resample codes (what trainer/data/images.py resizes with).
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 INSTALL = "model.arch: timm needs the timm package: pip install 'blocktrain[timm]'"
 
@@ -233,8 +233,7 @@ def save_for_timm(tensors: Mapping[str, torch.Tensor], model_cfg: Mapping, out: 
 def check_timm(cfg) -> None:
     """model.arch=timm settings, checked before any process group: timm importable, the model
     known (or the local-dir folder there), timm_args accepted, the patch size the model's."""
-    from trainer.config import ConfigError
-    from trainer.validate import require
+    from trainer.config import ConfigError, require
 
     m = cfg.model
     require(m.path is None and m.hf_config is None, "model.path",

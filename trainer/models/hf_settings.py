@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from trainer.config import Config, ConfigError, ModelConfig
-from trainer.validate import require
+from trainer.config import Config, ConfigError, ModelConfig, require
 
 
 def hf_fields(m: ModelConfig) -> dict:

@@ -10,7 +10,7 @@ A folder without its commit marker is torn (killed while saving) and never loade
 do not match the marker is corrupt and is skipped with a warning naming it. Older committed
 checkpoints are deleted only after a newer one is committed, so the last good one always exists.
 Nothing unknown is unpickled: DCP's `.metadata` goes through an unpickler that admits only its
-own types (trainer/ckpt_meta.py), `torch.load(weights_only=True)` reads the RNG states.
+own types (trainer/state/meta.py), `torch.load(weights_only=True)` reads the RNG states.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.ckpt_meta import SafeReader, UnsafeMetadata, shape_mismatches
-from trainer.save_errors import looks_full, save_failure
+from trainer.state.meta import SafeReader, UnsafeMetadata, shape_mismatches
+from trainer.state.save_errors import looks_full, save_failure
 
 log = logging.getLogger("trainer")
 

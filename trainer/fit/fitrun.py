@@ -1,4 +1,4 @@
-"""The trainer's side of fitting (trainer/autofit.py): device timing, one decision for all ranks,
+"""The trainer's side of fitting (trainer/fit/autofit.py): device timing, one decision for all ranks,
 and the same decision again when the run is started again.
 
 Rank 0 decides (its timings are the only ones used) and every rank receives the decision, as
@@ -27,11 +27,11 @@ from checkpointing.wrap import resolve_ops
 from offload.apply import offload_dir
 from offload.bandwidth import seconds_per_byte
 from sharding.fsdp import DTYPES
-from trainer.autofit import GIB, Candidate, Decision, Timer, decide, rest_flops
+from trainer.fit.autofit import GIB, Candidate, Decision, Timer, decide, rest_flops
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config, ConfigError
 from trainer.distenv import DistEnv
-from trainer.scenario import Evaluator, Scenario
+from trainer.fit.scenario import Evaluator, Scenario
 from trainer.task import task_for
 from trainer.validate import Layout
 

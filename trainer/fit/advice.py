@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from checkpointing.policies import BudgetError
-from trainer.scenario import Evaluator, Outcome, Scenario, with_changes
+from trainer.fit.scenario import Evaluator, Outcome, Scenario, with_changes
 from trainer.config import ConfigError
 
 # Sharding over more ranks is searched up to this many nodes; beyond it, say it cannot help.

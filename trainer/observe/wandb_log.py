@@ -15,8 +15,9 @@ import threading
 import uuid
 from typing import Any, Optional
 
+from trainer.state.ownership import RUN_ID_FILE
+
 log = logging.getLogger(__name__)
-RUN_ID_FILE = "wandb_run_id"
 
 
 def _logged_in() -> bool:

@@ -21,7 +21,7 @@ from checkpointing.fit import Choice, NoFit, Timing, evaluate_plan, fit_plan
 from checkpointing.plan import BlockPlan, describe, make_plan, recompute_pattern, with_offload
 from checkpointing.profile import BlockProfile
 from trainer.config import Config, ConfigError
-from trainer.scenario import Evaluator, Scenario, with_changes
+from trainer.fit.scenario import NOMINAL_SECONDS_PER_BYTE, Evaluator, Scenario, with_changes
 from trainer.validate import Layout
 
 GIB = 2 ** 30
@@ -31,9 +31,6 @@ UNIFORM = ("none", "selective", "full")
 # reduce-scatters per micro-batch, the loss, the data threads' share of the cores); on this
 # project's CPU machine the smallest micro-batches ran 10-30% slower than predicted.
 MICRO_BATCH_MARGIN = 0.10
-# Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
-# reached, and one NVMe drive.
-NOMINAL_SECONDS_PER_BYTE = {"cpu": 1 / 20e9, "disk": 1 / 2e9}
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class Decision:
     step_s: float
     candidates: list[Candidate]
     profiles: Optional[list[BlockProfile]] = None  # device profiles at the chosen micro-batch
-    reused: bool = False  # read back from an earlier start of the run (trainer/fitrun.py)
+    reused: bool = False  # read back from an earlier start of the run (trainer/fit/fitrun.py)
 
 
 # (cfg at one micro-batch, its scenario, the meta profile's evaluator) -> (timing, profiles)
@@ -90,7 +87,7 @@ def fixed_plan(cfg: Config, names: Sequence[str], policy: Optional[str] = None) 
     """The plan of a profile-free policy, with offload as the trainer applies it."""
     c, shard = cfg.checkpointing, cfg.sharding.mode != "none"
     if (policy or c.policy) == "file":
-        from trainer.planfile import read_plan
+        from trainer.state.planfile import read_plan
 
         return read_plan(c.plan_file, names, shard, cfg.train.compile)
     plan = make_plan(names, recompute_pattern(policy or c.policy, len(names), c.every), shard)

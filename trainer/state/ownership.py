@@ -23,9 +23,11 @@ from typing import Optional
 
 log = logging.getLogger("trainer")
 LOCK_FILE = ".lock"
-# Besides the checkpoints: what a run appends to or reuses (trainer/metrics.py, wandb_log.py,
+# Besides the checkpoints: what a run appends to or reuses (trainer/observe/metrics.py, wandb_log.py,
 # state.py's stop marker).
-HISTORY = ("metrics.jsonl", "wandb_run_id", "preempted.json")
+# The W&B run id of this run directory, reused by a restarted run (trainer/observe/wandb_log.py).
+RUN_ID_FILE = "wandb_run_id"
+HISTORY = ("metrics.jsonl", RUN_ID_FILE, "preempted.json")
 
 
 class RunDirBusy(RuntimeError):

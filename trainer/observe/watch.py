@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from trainer.faults import FaultLimit, LossGuard, Verdict
-from trainer.metrics import RunLogger
-from trainer.resume import Progress, rollback
+from trainer.observe.metrics import RunLogger
+from trainer.state.resume import Progress, rollback
 
 KINDS = ("nonfinite", "loss_spike", "rollback", "preemption", "resumed", "collective_timeout",
          "throughput", "memory")

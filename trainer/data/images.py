@@ -1,7 +1,7 @@
 """Image classification data: a class-per-folder image tree, and synthetic images.
 
 Both are indexable like the token windows (`num_windows`, `dataset[k]`), so the step-indexed
-sampler in trainer/data.py serves them unchanged: which images a rank reads at a step is a pure
+sampler in trainer/data/tokens.py serves them unchanged: which images a rank reads at a step is a pure
 function of (step, batch shape, rank, seed), and a resumed run reads exactly what it would have.
 An item is (image [channels, size, size] float32, label).
 """

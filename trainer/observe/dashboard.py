@@ -26,9 +26,9 @@ from typing import Optional
 from checkpointing.profile import OPTIONS
 from trainer.config import Config
 from trainer.distenv import DistEnv
-from trainer.metrics import RunLogger
-from trainer.state import STOPPED_MARKER
-from trainer.watch import Alerts, memory_text
+from trainer.observe.metrics import RunLogger
+from trainer.state.checkpoint import STOPPED_MARKER
+from trainer.observe.watch import Alerts, memory_text
 
 log = logging.getLogger("trainer")
 
@@ -59,7 +59,7 @@ def start_logging(cfg: Config, denv: DistEnv, run_dir: str, first_step: int) -> 
     if cfg.logging.wandb:
         import dataclasses
 
-        from trainer.wandb_log import WandbLogger
+        from trainer.observe.wandb_log import WandbLogger
 
         group, choices = run_group()
         config = {**dataclasses.asdict(cfg), "groups": choices}
@@ -100,10 +100,10 @@ def start_of_run(logger: RunLogger, cfg: Config, built, layout, denv: DistEnv, r
     if logger.wandb is None and denv.device.type != "cuda":
         return None
     try:
-        from trainer.metrics import peak_flops
-        from trainer.plot import plot_plan
-        from trainer.report import summary
-        from trainer.scenario import Evaluator, Scenario
+        from trainer.observe.metrics import peak_flops
+        from trainer.fit.plot import plot_plan
+        from trainer.fit.report import summary
+        from trainer.fit.scenario import Evaluator, Scenario
 
         flops = peak_flops(denv.device)
         evaluator = Evaluator(flops / 1e12 if flops else 1.0,

@@ -1,7 +1,7 @@
 """Where a run stands (`Progress`), and getting back there: resume at start, rollback mid-run.
 
 The data position is one number, the index of the next global batch: every rank derives its share
-of a global batch from it (trainer/data.py), and a global batch does not depend on how it is split
+of a global batch from it (trainer/data/tokens.py), and a global batch does not depend on how it is split
 over ranks and micro-batches. So a checkpoint written by 2 ranks resumes on 1 (or 4) reading
 exactly the data the original run would have read, as long as the global batch size and the
 sequence length are unchanged. What does change with the world size is dropout: each rank has its
@@ -21,8 +21,8 @@ from torch import nn
 
 from trainer.config import Config
 from trainer.validate import Layout
-from trainer.state import Checkpointer, Loaded
-from trainer.wandb_log import RUN_ID_FILE
+from trainer.state.checkpoint import Checkpointer, Loaded
+from trainer.state.ownership import RUN_ID_FILE
 
 log = logging.getLogger("trainer")
 

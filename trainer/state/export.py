@@ -1,0 +1,106 @@
+"""`python -m trainer.export CHECKPOINT [--out DIR]`: one consolidated safetensors file for inference.
+
+CHECKPOINT is a committed checkpoint folder (`<run dir>/checkpoints/step_<N>`) or a run directory
+(its newest committed checkpoint). Writes DIR/model.safetensors (full, unsharded fp32 weights,
+named as in the model) and DIR/config.json (the model config and where it came from); for
+`model.arch=hf`, a folder `from_pretrained` loads (HF names and the HF config). Runs in one
+process without a process group, whatever world size wrote the checkpoint; the optimizer state is
+not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from trainer.state.meta import SafeReader, UnsafeMetadata
+from trainer.state.checkpoint import STATE, list_checkpoints, verify
+
+
+def _pick(path: str) -> str:
+    if os.path.exists(os.path.join(path, STATE)):
+        problem = verify(path)
+        if problem:
+            raise SystemExit(f"error: {path} cannot be exported: {problem}")
+        return path
+    for _, candidate in list_checkpoints(os.path.join(path, "checkpoints")):
+        if verify(candidate) is None:
+            return candidate
+    raise SystemExit(f"error: no committed checkpoint under {path}; pass a run directory or a "
+                     "checkpoints/step_<N> folder")
+
+
+def load_model_state(folder: str) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a DCP checkpoint, by parameter name."""
+    reader = SafeReader(folder)
+    try:
+        metadata = reader.read_metadata()
+    except UnsafeMetadata as error:
+        raise SystemExit(f"error: {error}") from None
+    model = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            model[key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
+    state = {"model": model}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["model"]
+
+
+def export(folder: str, out: str) -> str:
+    from safetensors.torch import save_file
+
+    with open(os.path.join(folder, STATE)) as f:
+        saved = json.load(f)
+    tensors = {name: t.contiguous() for name, t in load_model_state(folder).items()}
+    model_cfg = saved["config"]["model"]
+    if model_cfg.get("arch") == "timm":  # a folder timm loads: create_model("local-dir:<out>")
+        from trainer.models.timm_vision import save_for_timm
+
+        return save_for_timm(tensors, model_cfg, out)
+    if model_cfg.get("arch") in ("hf", "hf_vision"):  # back to a folder Hugging Face loads
+        from trainer.models.hf import save_pretrained
+
+        fields = None
+        if model_cfg.get("arch") == "hf_vision":  # the resolution and classes it was tuned at
+            classes = int(model_cfg["num_classes"])
+            fields = {"image_size": model_cfg["image_size"], "num_labels": classes,
+                      "num_channels": model_cfg["channels"],
+                      "id2label": {i: str(i) for i in range(classes)},
+                      "label2id": {str(i): i for i in range(classes)}}
+        save_pretrained(tensors, model_cfg.get("hf_config"), model_cfg.get("path"), out, fields)
+        return out
+    os.makedirs(out, exist_ok=True)
+    step = saved["progress"]["step"]
+    save_file(tensors, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt", "step": str(step)})
+    config = {"model": saved["config"]["model"], "step": step, "checkpoint": os.path.abspath(folder),
+              "parameters": int(sum(t.numel() for t in tensors.values()))}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1, sort_keys=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="checkpoints/step_<N> folder, or a run directory")
+    parser.add_argument("--out", help="output folder (default: <checkpoint>/../../export/step_<N>)")
+    args = parser.parse_args(argv)
+    folder = _pick(args.checkpoint)
+    out = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(folder))),
+                                   "export", os.path.basename(folder))
+    export(folder, out)
+    print(f"exported {folder} to {out}/model.safetensors and config.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
