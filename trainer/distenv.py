@@ -92,6 +92,15 @@ def shutdown(clean: bool = True, destroy: bool = True) -> None:
             dist.destroy_process_group()
 
 
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The mean of a scalar tensor over every rank (the value itself in a world of one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)  # gloo has no AVG: sum, then divide
+        value /= dist.get_world_size()
+    return value.item()
+
+
 def _meet_on_store(timeout_s: float) -> None:
     world = dist.get_world_size()
     if world == 1:

@@ -7,6 +7,7 @@ vote (`StepVote`) of the flags each rank saw. No rank ever acts on a local flag 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -16,14 +17,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 
 class FaultLimit(RuntimeError):
@@ -87,6 +87,27 @@ class PreemptionSignal:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
+
+
+class StopVote:
+    """The end-of-step decision every rank takes together: stop now (a signal on any rank, a
+    lost launcher, `train.stop_at_step`), and whether every rank's async save has finished
+    (the checkpointer commits it then). `checkpointer` needs `local_done()` and `poll(all)`."""
+
+    def __init__(self, preemption: PreemptionSignal, checkpointer, device: torch.device,
+                 stop_at_step: Optional[int], steps: int) -> None:
+        self.preemption, self.checkpointer, self.device = preemption, checkpointer, device
+        self.stop_at_step, self.steps = stop_at_step, steps
+
+    def vote(self, step: int) -> Optional[str]:
+        """Why every rank stops after `step` (None: go on). One small all-reduce."""
+        stop, saved = step_vote([self.preemption.received is not None,
+                                 self.checkpointer.local_done()], self.device)
+        self.checkpointer.poll(saved)
+        reason = (self.preemption.received or "another rank's signal") if stop else None
+        if step == self.stop_at_step and step < self.steps:
+            reason = "train.stop_at_step"
+        return reason
 
 
 def step_vote(flags: Sequence[bool], device: torch.device) -> list[bool]:
@@ -163,6 +184,29 @@ def injected_loss(loss_fn: LossFn, batch_index: int, nan_at: Sequence[int],
 
 class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message names the rank and the operation."""
+
+
+class Collectives:
+    """`with collectives("saving step 8"):` a timed-out or broken collective inside becomes a
+    CollectiveFailure naming this rank and the operation (and `alert` hears it first)."""
+
+    def __init__(self, rank: int, timeout_s: int,
+                 alert: Optional[Callable[[str], object]] = None) -> None:
+        self.rank, self.timeout_s, self.alert = rank, timeout_s, alert
+
+    @contextlib.contextmanager
+    def __call__(self, operation: str) -> Iterator[None]:
+        try:
+            yield
+        except CollectiveFailure:
+            raise
+        except Exception as error:
+            if is_collective_failure(error):
+                failure = name_failure(error, self.rank, operation, self.timeout_s)
+                if self.alert is not None:
+                    self.alert(str(failure))
+                raise failure from error
+            raise
 
 
 def is_collective_failure(error: BaseException) -> bool:

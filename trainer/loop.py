@@ -1,22 +1,22 @@
-"""The training run: set up once, then a loop whose step reads top to bottom.
+"""The training run: a Trainer builds its parts once, then runs a loop whose body is one line per
+part: take the batch, train the step, log, evaluate, vote, save.
 
-Eval, logging and state saving sit outside `train_step` behind "every N steps" guards; resume,
-rollback and fault handling live in trainer/state/resume.py, trainer/state/checkpoint.py and trainer/faults.py;
-alerts in trainer/observe/watch.py, what W&B shows beyond the metrics in trainer/observe/dashboard.py.
+Each part decides its own timing (`StepLog.should_log`, `Evaluation.should_evaluate`,
+`Saver.should_save`, `StopVote.vote`), and a part that is off does nothing, so the loop tests no
+settings. Ranks other than 0 hold a logger that drops what it is given, so the loop has no rank
+checks either. Resume and rollback live in trainer/state/, alerts and the dashboard in
+trainer/observe/, faults in trainer/faults.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from checkpointing.plan import describe, plan_rows, plan_table, plan_to_json
@@ -24,30 +24,30 @@ from checkpointing.policies import added_seconds
 from checkpointing.saved import SavedBytesMeter
 from offload.apply import close_offloader, offload_micro_batch
 from offload.engine import Offloader
-from trainer.distenv import DistEnv, init_distributed, read_env, shutdown
-from sharding.fsdp import reshard_all, set_grad_sync
-from trainer.fit.autofit import fitting, rows as fit_rows, table as fit_table
-from trainer.build import Built, build_model
-from trainer.fit.fitrun import DECISION_FILE as FIT_FILE, fit_run
+from sharding.fsdp import set_grad_sync
+from trainer.build import build_model
 from trainer.config import Config
-from trainer.validate import Layout
-from trainer.models.hf_settings import model_vocab_size
-from trainer.observe.livebytes import step_tracker
-from trainer.data.tokens import train_batch, val_batches
-from trainer.models.llama import lm_loss
 from trainer.data.prefetch import Prefetcher
-from trainer.task import Task, build_task_datasets, task_for
-from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, Verdict,
-                            injected_loss, is_collective_failure, name_failure, step_vote)
-from trainer.observe.dashboard import end_of_run, start_logging, start_of_run, watch_memory
+from trainer.data.tokens import train_batch, val_batches
+from trainer.distenv import DistEnv, init_distributed, mean_over_ranks, read_env, shutdown
+from trainer.faults import (Collectives, LossFn, LossGuard, PreemptionSignal, StopVote, Verdict,
+                            injected_loss)
+from trainer.fit.autofit import fitting, rows as fit_rows, table as fit_table
+from trainer.fit.fitrun import DECISION_FILE as FIT_FILE, fit_run
+from trainer.models.hf_settings import model_vocab_size
+from trainer.models.llama import lm_loss
+from trainer.observe.dashboard import end_of_run, start_logging, start_of_run
+from trainer.observe.evaluate import Evaluation
+from trainer.observe.metrics import peak_memory_bytes, run_summary, summary_fields
+from trainer.observe.steplog import StepLog, StepShape, Startup
 from trainer.observe.watch import Alerts, ThroughputWatch, bad_step
-from trainer.observe.metrics import (device_used_bytes, peak_flops, peak_memory_bytes,
-                             peak_reserved_bytes, run_summary, startup_fields, startup_line,
-                             summary_fields)
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from trainer.state.ownership import RunDirBusy, RunLock, set_aside
+from trainer.state.checkpoint import Checkpointer, clear_stopped, mark_stopped
+from trainer.state.ownership import own_run_dir
 from trainer.state.resume import Progress, resume, train_state
-from trainer.state.checkpoint import Checkpointer, checkpoint_path, clear_stopped, mark_stopped
+from trainer.state.saver import Saver
+from trainer.task import build_task_datasets, task_for
+from trainer.validate import Layout
 
 log = logging.getLogger("trainer")
 INTERRUPTED_EXIT = 130  # the shell's status for a command stopped by Ctrl-C
@@ -82,33 +82,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     return loss_value, grad_norm, verdict
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value)  # gloo has no AVG: sum, then divide
-        value /= dist.get_world_size()
-    return value.item()
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task,
-             device: torch.device) -> dict[str, float]:
-    """val_loss, and val_accuracy (top-1) for classification, over every rank's batches.
-    The batches wait in host memory (high-resolution images are large) and visit the device
-    one at a time."""
-    model.eval()
-    loss = torch.zeros((), device=device)
-    correct = torch.zeros_like(loss)
-    for inputs, targets in batches:
-        batch_loss, batch_correct = task.eval_batch(model, inputs.to(device), targets.to(device))
-        loss += batch_loss
-        correct += batch_correct
-    reshard_all(model)
-    model.train()
-    metrics = {"val_loss": mean_over_ranks(loss / len(batches))}
-    if task.kind == "classification":
-        metrics["val_accuracy"] = mean_over_ranks(correct / len(batches))
-    return metrics
+def step_seconds(started: float, device: torch.device, synchronize=None) -> float:
+    """Seconds since `started`, once the device has finished the step: CUDA runs the optimizer
+    step after the CPU has queued it, and leaving it out would read throughput and MFU high.
+    One synchronisation per step; `synchronize` stands in for torch.cuda.synchronize in tests."""
+    if device.type == "cuda":
+        (synchronize or torch.cuda.synchronize)(device)
+    return time.perf_counter() - started
 
 
 def _to(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
@@ -116,14 +96,21 @@ def _to(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
 
 
 def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = False) -> int:
-    """The whole run on this rank; returns the exit status (0, or save.preempt_exit_code).
-
-    keep_process_group: more jobs follow in this process (a `-m` sweep); they reuse the group.
-    """
+    """The whole run on this rank; returns the exit status (0, 130 after Ctrl-C, or
+    save.preempt_exit_code). keep_process_group: more jobs follow in this process (a `-m`
+    sweep); they reuse the group."""
     denv = read_env(cfg.train.device)
     init_distributed(denv, cfg.train.dist_timeout_s)
     try:
-        status = _train(cfg, layout, run_dir, denv)
+        # Dropout masks differ per rank (as their data does) but repeat run to run.
+        torch.manual_seed(cfg.train.seed + denv.rank)
+        lock = own_run_dir(run_dir, denv.is_main, not cfg.save.resume,
+                           _checkpoint_dir(cfg, run_dir))
+        try:
+            status = Trainer(cfg, layout, run_dir, denv).run()
+        finally:
+            if lock is not None:
+                lock.release()
     except BaseException:
         shutdown(clean=False)
         raise
@@ -131,257 +118,215 @@ def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = 
     return status
 
 
-@contextlib.contextmanager
-def _collectives(rank: int, operation: str, timeout_s: int,
-                 alert: Optional[Callable[[str], object]] = None) -> Iterator[None]:
-    """A timed-out or broken collective inside says which rank and which operation (and
-    `alert` hears it first)."""
-    try:
-        yield
-    except CollectiveFailure:
-        raise
-    except Exception as error:
-        if is_collective_failure(error):
-            failure = name_failure(error, rank, operation, timeout_s)
-            if alert is not None:
-                alert(str(failure))
-            raise failure from error
-        raise
+def _checkpoint_dir(cfg: Config, run_dir: str) -> str:
+    return cfg.save.dir or os.path.join(run_dir, "checkpoints")
 
 
-def _own_run_dir(cfg: Config, run_dir: str, denv: DistEnv) -> Optional[RunLock]:
-    """Rank 0 locks the run directory (every rank learns whether it could) and, for a fresh
-    start in a directory with a history, sets that history aside."""
-    lock, outcome = None, [None]
-    if denv.is_main:
-        lock = RunLock(run_dir)
+class Trainer:
+    """One run on one rank: `__init__` builds every part once, `run()` is the step loop."""
+
+    def __init__(self, cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
+        decision = None
+        if fitting(cfg):  # checkpointing=auto or micro_batch_size=auto: decide, then build
+            cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
+        self.cfg, self.layout, self.run_dir, self.denv = cfg, layout, run_dir, denv
+        self.device, t = denv.device, cfg.train
+        self.meter = SavedBytesMeter()
+        self.built = build_model(cfg, denv, layout.replicate, self.meter, run_dir,
+                                 None if decision is None else (decision.plan, decision.profiles))
+        self.built.decision = decision
+        self.model = self.built.model
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+        self.task = task_for(cfg.model, cfg.data)
+        self.guard = LossGuard(cfg.faults.skip_nonfinite, cfg.faults.max_bad_steps,
+                               cfg.faults.spike_factor, cfg.faults.spike_window)
+        self.checkpointer = Checkpointer(_checkpoint_dir(cfg, run_dir), cfg.save.keep,
+                                         cfg.save.async_save, denv.rank, denv.world_size,
+                                         self.device, dataclasses.asdict(cfg.model))
+        self.train_set, val_set = build_task_datasets(cfg.model, cfg.data,
+                                                      model_vocab_size(cfg.model), t.seed)
+        self.batches = Prefetcher(self._read_batch, cfg.data.workers)
+        self.val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
+                                    denv.world_size)
+        # Built last, being what run() closes on every way out. Under torchrun, a worker whose
+        # agent was killed (kill -9 leaves no one to stop it) saves and stops by itself.
+        self.preemption = PreemptionSignal(cfg.save.signal, announce=denv.is_main,
+                                           watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
+        self.collectives = Collectives(denv.rank, t.dist_timeout_s, self._timed_out)
+        self.saver = Saver(self.checkpointer, cfg.save.every, cfg.save.at_end, t.steps,
+                           self.collectives)
+        self.stops = StopVote(self.preemption, self.checkpointer, self.device, t.stop_at_step,
+                              t.steps)
+
+    def _read_batch(self, index: int) -> list[Batch]:
+        t, d = self.cfg.train, self.denv
+        return train_batch(self.train_set, index, t.micro_batch_size, self.layout.grad_accum,
+                           d.rank, d.world_size, t.seed)
+
+    def _loss_for(self, batch_index: int) -> LossFn:
+        """The task's loss, or a fault injected for tests and drills (faults.inject_*)."""
+        f, t = self.cfg.faults, self.cfg.train
+        return injected_loss(self.task.loss, batch_index, f.inject_nan_at, f.inject_spike_at,
+                             f.inject_hang_at, 2.0 * t.dist_timeout_s, self.denv.rank,
+                             self.denv.world_size, f.inject_slow_at, f.inject_slow_s)
+
+    def _timed_out(self, text: str) -> None:
+        self.alerts.fire("collective_timeout", self.progress.step + 1, text, "ERROR",
+                         self.progress.batch_index)
+
+    def _train_state(self) -> dict:
+        return train_state(self.progress, self.scheduler, self.layout, self.cfg, self.run_dir)
+
+    def run(self) -> int:
+        """Start, run the steps, end; returns the exit status. The parts close on every way
+        out."""
         try:
-            lock.acquire()
-            if not cfg.save.resume:
-                moved = set_aside(run_dir, cfg.save.dir or os.path.join(run_dir, "checkpoints"))
-                if moved:
-                    log.warning("save.resume=false: starting over; the earlier checkpoints and "
-                                "metrics of this run directory were moved to %s",
-                                " and ".join(moved))
-        except RunDirBusy as exc:
-            outcome = [str(exc)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise RunDirBusy(outcome[0])
-    return lock
-
-
-def _train(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
-    # Dropout masks differ per rank (as their data does) but repeat run to run.
-    torch.manual_seed(cfg.train.seed + denv.rank)
-    lock = _own_run_dir(cfg, run_dir, denv)
-    try:
-        return _train_owned(cfg, layout, run_dir, denv)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _train_owned(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> int:
-    decision = None
-    if fitting(cfg):  # checkpointing=auto or micro_batch_size=auto: decide, then build as usual
-        cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
-    t, device = cfg.train, denv.device
-    meter = SavedBytesMeter()
-    built = build_model(cfg, denv, layout.replicate, meter, run_dir,
-                        None if decision is None else (decision.plan, decision.profiles))
-    built.decision = decision
-    checkpointer = Checkpointer(cfg.save.dir or os.path.join(run_dir, "checkpoints"),
-                                cfg.save.keep, cfg.save.async_save, denv.rank, denv.world_size,
-                                device, dataclasses.asdict(cfg.model))
-    train_set, val_set = build_task_datasets(cfg.model, cfg.data, model_vocab_size(cfg.model),
-                                             t.seed)
-    batches = Prefetcher(lambda index: train_batch(train_set, index, t.micro_batch_size,
-                                                   layout.grad_accum, denv.rank,
-                                                   denv.world_size, t.seed), cfg.data.workers)
-    val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
-                           denv.world_size)
-    # Under torchrun, a worker whose agent was killed (kill -9 leaves no one to stop it) saves
-    # and stops by itself.
-    preemption = PreemptionSignal(cfg.save.signal, announce=denv.is_main,
-                                  watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
-    try:
-        status = _run(cfg, layout, run_dir, denv, built, meter, checkpointer, preemption,
-                      batches, val_data)
-        checkpointer.close()  # an async save still being written is committed before exit
-        return status
-    finally:
-        preemption.restore()
-        batches.close()
-        # Joins its threads; no file outlives the run, also when it failed.
-        close_offloader(built.offloader, own_parent=cfg.offload.dir is None)
-
-
-def _run(cfg: Config, layout: Layout, run_dir: str, denv: DistEnv, built: Built,
-         meter: SavedBytesMeter, checkpointer: Checkpointer, preemption: PreemptionSignal,
-         batches: Prefetcher[list[Batch]], val_data: list[Batch]) -> int:
-    t, f, device = cfg.train, cfg.faults, denv.device
-    model, plan = built.model, built.plan
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
-    task = task_for(cfg.model, cfg.data)
-
-    progress, resumed = Progress(), None
-    if cfg.save.resume:
-        resumed = resume(checkpointer, model, optimizer, scheduler, layout, cfg, denv.rank)
-        if resumed is not None:
-            progress = resumed[0]
-    logger = start_logging(cfg, denv, run_dir, progress.step)
-    logger.start_step = progress.batch_index
-    lg = cfg.logging
-    alerts = Alerts(logger, lg.alert_interval_s)
-    throughput = ThroughputWatch(lg.alert_throughput_fraction, lg.alert_throughput_window)
-    predicted = start_of_run(logger, cfg, built, layout, denv, run_dir, resumed, alerts)
-    # On CPU the prediction is checked against live tensor bytes (RSS includes the interpreter).
-    live_step = lg.live_bytes_step or (progress.step + 2 if predicted and device.type == "cpu"
-                                       else None)
-
-    def timed_out(text: str) -> None:
-        alerts.fire("collective_timeout", progress.step + 1, text, "ERROR", progress.batch_index)
-    if denv.is_main:
-        with open(os.path.join(run_dir, "plan.json"), "w") as f_plan:
-            f_plan.write(plan_to_json(plan))
-        logger.plan(plan_table(plan, built.profiles), plan_rows(plan, built.profiles))
-        if built.decision is not None:
-            d = built.decision
-            logger.table("auto_candidates", f"fitting {d.capacity / 2**30:.2f} GiB per rank: "
-                         f"micro-batch {d.micro_batch}, predicted peak "
-                         f"{d.peak_bytes / 2**30:.3f} GiB, step {d.step_s:.4f} s ("
-                         f"{'as decided at the first start: ' if d.reused else 'saved in '}"
-                         f"{FIT_FILE}); candidates", fit_table(d), fit_rows(d))
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x "
-                f"shard {layout.shard}) on {device.type}; {num_params / 1e6:.2f}M parameters; "
-                f"plan: {describe(plan)}; global batch {layout.global_batch_size} x "
-                f"{task.tokens_per_sample} tokens (micro {t.micro_batch_size} x accum "
-                f"{layout.grad_accum} x ranks {denv.world_size}); run dir {run_dir}")
-
-    flops = built.flops_per_token
-    peak = peak_flops(device)
-    tokens_per_step = layout.global_batch_size * task.tokens_per_sample
-
-    recompute_s = None
-    if built.profiles is not None and all(p.recompute in built.profiles[p.index].cost_s
-                                          for p in plan):  # profiled seconds the plan adds
-        recompute_s = added_seconds(plan, built.profiles) * layout.grad_accum
-
-    def save(step: int) -> None:
-        with _collectives(denv.rank, f"saving the checkpoint of step {step}", t.dist_timeout_s,
-                          timed_out):
-            checkpointer.save(step, model, optimizer,
-                              train_state(progress, scheduler, layout, cfg, run_dir))
-
-    if resumed is not None:
-        logger.info(resumed[1])
-    else:
-        logger.record({"step": 0, **evaluate(model, val_data, task, device)})
-    run_started, first_step = time.monotonic(), progress.step
-
-    def summary() -> None:
-        last = checkpointer.last_committed
-        path = None if last is None else checkpoint_path(checkpointer.root, last)
-        seconds, peak_bytes = time.monotonic() - run_started, peak_memory_bytes(device)
-        logger.summary(run_summary(seconds, first_step, progress, t.steps, peak_bytes,
-                                   device.type, logger.last, path))
-        end_of_run(logger, summary_fields(logger, progress, seconds, peak_bytes), path,
-                   last or 0, lg.wandb_checkpoint_refs, alerts)
-    startup: dict = {}  # logged with the first step's record
-    guard = LossGuard(f.skip_nonfinite, f.max_bad_steps, f.spike_factor, f.spike_window)
-    while progress.step < t.steps:
-        step = progress.step + 1
-        started = time.perf_counter()  # the step's time includes reading its batch
-        micro_batches = _to(batches.get(progress.batch_index), device)
-        data_wait_s = time.perf_counter() - started  # ~0 when the batch was read ahead
-        loss_fn = injected_loss(task.loss, progress.batch_index, f.inject_nan_at,
-                                f.inject_spike_at, f.inject_hang_at, 2.0 * t.dist_timeout_s,
-                                denv.rank, denv.world_size, f.inject_slow_at, f.inject_slow_s)
-        lr = scheduler.get_last_lr()[0]
-        live = step_tracker(step == live_step, model, optimizer, micro_batches)
-        with _collectives(denv.rank, f"step {step} (forward, backward, gradient reduction)",
-                          t.dist_timeout_s, timed_out), live or contextlib.nullcontext():
-            loss, grad_norm, verdict = train_step(model, optimizer, scheduler, micro_batches,
-                                                  cfg.optim.grad_clip, meter, built.offloader,
-                                                  guard, loss_fn)
-        if live is not None:
-            logger.record({"step": step, "live_peak_bytes": live.peak}, console=False)
-            watch_memory(logger, alerts, predicted, {"step": step, "live_peak_bytes": live.peak},
-                         lg.alert_memory_margin, progress.batch_index)
-        progress.batch_index += 1
-        if not verdict.ok:
-            progress = bad_step(verdict, step, progress, checkpointer, model, optimizer,
-                                scheduler, guard, logger, alerts, f.max_rollbacks)
-            continue
-        progress.step, progress.tokens_seen = step, progress.tokens_seen + tokens_per_step
-        step_time = time.perf_counter() - started
-        tokens_per_s = tokens_per_step / step_time
-        logger.step(step, loss, tokens_per_s)
-        drift = None if live is not None else throughput.check(tokens_per_s)  # live: slowed
-        if drift:
-            alerts.fire("throughput", step, drift, wandb_step=progress.batch_index)
-        if step == first_step + 1:  # the cost of starting: building, compiling, first step
-            startup = startup_fields(built.build_s, step_time,
-                                     time.perf_counter() - built.started, built.compiled_blocks)
-            logger.info(startup_line(startup, built.compiled_blocks))
-
-        if step % cfg.logging.every == 0 or step == t.steps:
-            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                       "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                       "samples_per_s": layout.global_batch_size / step_time,
-                       "data_wait_s": data_wait_s,
-                       "tokens_seen": progress.tokens_seen,
-                       "peak_mem_bytes": peak_memory_bytes(device),
-                       "act_saved_bytes": meter.peak, **startup}
-            meter.reset_peak()
-            startup = {}
-            if recompute_s is not None:
-                metrics["recompute_s"] = recompute_s
-            if built.offloader is not None:
-                metrics["offloaded_bytes"] = built.offloader.stats.offloaded_bytes
-            if device.type == "cuda":
-                metrics["peak_reserved_bytes"] = peak_reserved_bytes(device)
-                metrics["device_used_bytes"] = device_used_bytes(device)
-            if peak is not None:
-                metrics["mfu"] = flops * tokens_per_s / (peak * denv.world_size)
-            logger.record(metrics, wandb_step=progress.batch_index)
-            watch_memory(logger, alerts, predicted, metrics, lg.alert_memory_margin,
-                         progress.batch_index)
-        if step % t.eval_every == 0 or step == t.steps:
-            logger.record({"step": step, **evaluate(model, val_data, task, device)},
-                          wandb_step=progress.batch_index)
-        with _collectives(denv.rank, f"the end-of-step vote of step {step}", t.dist_timeout_s,
-                          timed_out):
-            stop, saved = step_vote([preemption.received is not None, checkpointer.local_done()],
-                                    device)
-            checkpointer.poll(saved)
-        stop_reason = preemption.received or ("another rank's signal" if stop else None)
-        if step == t.stop_at_step and step < t.steps:
-            stop, stop_reason = True, "train.stop_at_step"
-
-        every = cfg.save.every and step % cfg.save.every == 0
-        if stop or every or (step == t.steps and cfg.save.at_end):
-            save(step)
-        if stop:
-            checkpointer.wait()
-            by_hand = stop_reason == "SIGINT"  # Ctrl-C: no launcher should start it again
-            status = INTERRUPTED_EXIT if by_hand else cfg.save.preempt_exit_code
-            if denv.is_main and not by_hand:  # before the ranks leave: a launcher may act
-                mark_stopped(run_dir, step, stop_reason, cfg.save.preempt_exit_code)
-                alerts.fire("preemption", step, f"stopped by {stop_reason}: saved step {step}, "
-                            f"exiting {status} for a requeue", wandb_step=progress.batch_index)
-            logger.info(f"stopping ({'Ctrl-C' if by_hand else stop_reason}): saved step "
-                        f"{step}; exiting with status {status} "
-                        "(start the same run again to continue)")
-            summary()
-            logger.close()
+            self._start()
+            status = self._steps()
+            self.checkpointer.close()  # an async save still being written is committed first
             return status
-    if denv.is_main:
-        clear_stopped(run_dir)  # a marker of an earlier stop of this run is stale now
-    summary()
-    logger.close()
-    return 0
+        finally:
+            self._close()
+
+    def _steps(self) -> int:
+        """The step loop: one line per part, each deciding for itself whether it acts."""
+        while self.progress.step < self.cfg.train.steps:
+            step, index = self.progress.step + 1, self.progress.batch_index
+            started = time.perf_counter()  # the step's time includes reading its batch
+            micro_batches = _to(self.batches.get(index), self.device)
+            data_wait_s = time.perf_counter() - started  # ~0 when the batch was read ahead
+            loss_fn = self._loss_for(index)  # faults.inject_*: a drill may slow or spoil it
+            lr = self.scheduler.get_last_lr()[0]
+            with self.collectives(f"step {step} (forward, backward, gradient reduction)"), \
+                    self.steplog.count_live_bytes(step, self.model, self.optimizer,
+                                                  micro_batches, index):
+                loss, grad_norm, verdict = train_step(
+                    self.model, self.optimizer, self.scheduler, micro_batches,
+                    self.cfg.optim.grad_clip, self.meter, self.built.offloader, self.guard,
+                    loss_fn)
+            self.progress.batch_index += 1
+            if not verdict.ok:
+                self.progress = bad_step(verdict, step, self.progress, self.checkpointer,
+                                         self.model, self.optimizer, self.scheduler,
+                                         self.guard, self.logger, self.alerts,
+                                         self.cfg.faults.max_rollbacks)
+                continue
+            self.progress.step = step
+            self.progress.tokens_seen += self.steplog.shape.tokens
+            self.steplog.step(step, loss, grad_norm, lr, step_seconds(started, self.device),
+                              data_wait_s, self.progress.tokens_seen, index + 1)
+            self.evaluation.maybe(step, index + 1)
+            with self.collectives(f"the end-of-step vote of step {step}"):
+                stop_reason = self.stops.vote(step)
+            self.saver.save(step, stop_reason is not None, self.model, self.optimizer,
+                            self._train_state)
+            if stop_reason is not None:
+                return self._stop(step, stop_reason)
+        return self._finish()
+
+    def _start(self) -> None:
+        """Resume where the run stands, start logging, say what will run, evaluate at step 0
+        of a fresh run."""
+        cfg, denv, built = self.cfg, self.denv, self.built
+        self.progress, resumed = Progress(), None
+        if cfg.save.resume:
+            resumed = resume(self.checkpointer, self.model, self.optimizer, self.scheduler,
+                             self.layout, cfg, denv.rank)
+            if resumed is not None:
+                self.progress = resumed[0]
+        self.logger = start_logging(cfg, denv, self.run_dir, self.progress.step)
+        self.logger.start_step = self.progress.batch_index
+        lg = cfg.logging
+        self.alerts = Alerts(self.logger, lg.alert_interval_s)
+        predicted = start_of_run(self.logger, cfg, built, self.layout, denv, self.run_dir,
+                                 resumed, self.alerts)
+        # On CPU the prediction is checked against live tensor bytes (RSS includes the
+        # interpreter).
+        live_step = lg.live_bytes_step or (self.progress.step + 2
+                                           if predicted and self.device.type == "cpu" else None)
+        self._announce()
+        self.steplog = StepLog(
+            self.logger, self.alerts, self._shape(), self.device, lg.every, cfg.train.steps,
+            self.progress.step, self.meter, built.offloader,
+            Startup(built.build_s, built.started, built.compiled_blocks),
+            ThroughputWatch(lg.alert_throughput_fraction, lg.alert_throughput_window),
+            predicted, lg.alert_memory_margin, live_step)
+        self.evaluation = Evaluation(self.model, self.val_data, self.task, self.device,
+                                     cfg.train.eval_every, cfg.train.steps, self.logger)
+        if resumed is not None:
+            self.logger.info(resumed[1])
+        else:
+            self.evaluation.run(0)
+        self.run_started, self.first_step = time.monotonic(), self.progress.step
+
+    def _shape(self) -> StepShape:
+        built, layout = self.built, self.layout
+        recompute_s = None
+        if built.profiles is not None and all(p.recompute in built.profiles[p.index].cost_s
+                                              for p in built.plan):  # profiled seconds it adds
+            recompute_s = added_seconds(built.plan, built.profiles) * layout.grad_accum
+        return StepShape(layout.global_batch_size * self.task.tokens_per_sample,
+                         layout.global_batch_size, self.denv.world_size,
+                         built.flops_per_token, recompute_s)
+
+    def _announce(self) -> None:
+        """The plan (plan.json, a table, W&B), what auto decided, and one line on the run."""
+        cfg, denv, built, layout = self.cfg, self.denv, self.built, self.layout
+        plan = built.plan
+        if denv.is_main:
+            with open(os.path.join(self.run_dir, "plan.json"), "w") as f_plan:
+                f_plan.write(plan_to_json(plan))
+        self.logger.plan(plan_table(plan, built.profiles), plan_rows(plan, built.profiles))
+        d = built.decision
+        if d is not None:
+            when = "as decided at the first start: " if d.reused else "saved in "
+            self.logger.table(
+                "auto_candidates", f"fitting {d.capacity / 2**30:.2f} GiB per rank: micro-batch "
+                f"{d.micro_batch}, predicted peak {d.peak_bytes / 2**30:.3f} GiB, step "
+                f"{d.step_s:.4f} s ({when}{FIT_FILE}); candidates", fit_table(d), fit_rows(d))
+        t = cfg.train
+        num_params = sum(p.numel() for p in self.model.parameters())
+        self.logger.info(
+            f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x shard "
+            f"{layout.shard}) on {self.device.type}; {num_params / 1e6:.2f}M parameters; plan: "
+            f"{describe(plan)}; global batch {layout.global_batch_size} x "
+            f"{self.task.tokens_per_sample} tokens (micro {t.micro_batch_size} x accum "
+            f"{layout.grad_accum} x ranks {denv.world_size}); run dir {self.run_dir}")
+
+    def _stop(self, step: int, reason: str) -> int:
+        """After the save of a stopping step: the exit status, and a marker a launcher reads."""
+        by_hand = reason == "SIGINT"  # Ctrl-C: no launcher should start it again
+        code = self.cfg.save.preempt_exit_code
+        status = INTERRUPTED_EXIT if by_hand else code
+        if self.denv.is_main and not by_hand:  # before the ranks leave: a launcher may act
+            mark_stopped(self.run_dir, step, reason, code)
+            self.alerts.fire("preemption", step, f"stopped by {reason}: saved step {step}, "
+                             f"exiting {status} for a requeue",
+                             wandb_step=self.progress.batch_index)
+        self.logger.info(f"stopping ({'Ctrl-C' if by_hand else reason}): saved step {step}; "
+                         f"exiting with status {status} (start the same run again to continue)")
+        self._summary()
+        return status
+
+    def _finish(self) -> int:
+        if self.denv.is_main:
+            clear_stopped(self.run_dir)  # a marker of an earlier stop of this run is stale now
+        self._summary()
+        return 0
+
+    def _summary(self) -> None:
+        last, path = self.saver.last()
+        seconds, peak_bytes = time.monotonic() - self.run_started, peak_memory_bytes(self.device)
+        self.logger.summary(run_summary(seconds, self.first_step, self.progress,
+                                        self.cfg.train.steps, peak_bytes, self.device.type,
+                                        self.logger.last, path))
+        end_of_run(self.logger, summary_fields(self.logger, self.progress, seconds, peak_bytes),
+                   path, last or 0, self.cfg.logging.wandb_checkpoint_refs, self.alerts)
+        self.logger.close()
+
+    def _close(self) -> None:
+        self.preemption.restore()
+        self.batches.close()
+        # Joins its threads; no file outlives the run, also when it failed.
+        close_offloader(self.built.offloader, own_parent=self.cfg.offload.dir is None)

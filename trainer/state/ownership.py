@@ -105,3 +105,29 @@ def _fresh(path: str) -> str:
     while os.path.exists(path + (f"-{suffix}" if suffix else "")):
         suffix += 1
     return path + (f"-{suffix}" if suffix else "")
+
+
+def own_run_dir(run_dir: str, is_main: bool, fresh_start: bool,
+                checkpoint_dir: str) -> Optional[RunLock]:
+    """Rank 0 locks the run directory (every rank learns whether it could) and, for a fresh
+    start (`save.resume=false`) in a directory with a history, sets that history aside."""
+    import torch.distributed as dist  # here: the CLI imports this module before torch is needed
+
+    lock, outcome = None, [None]
+    if is_main:
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+            if fresh_start:
+                moved = set_aside(run_dir, checkpoint_dir)
+                if moved:
+                    log.warning("save.resume=false: starting over; the earlier checkpoints and "
+                                "metrics of this run directory were moved to %s",
+                                " and ".join(moved))
+        except RunDirBusy as exc:
+            outcome = [str(exc)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RunDirBusy(outcome[0])
+    return lock

@@ -1,0 +1,58 @@
+"""Validation: at step 0 of a fresh run, every `train.eval_every` steps and at the last step."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from sharding.fsdp import reshard_all
+from trainer.distenv import mean_over_ranks
+from trainer.observe.metrics import RunLogger
+from trainer.task import Task
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task,
+             device: torch.device) -> dict[str, float]:
+    """val_loss, and val_accuracy (top-1) for classification, over every rank's batches.
+    The batches wait in host memory (high-resolution images are large) and visit the device
+    one at a time."""
+    model.eval()
+    loss = torch.zeros((), device=device)
+    correct = torch.zeros_like(loss)
+    for inputs, targets in batches:
+        batch_loss, batch_correct = task.eval_batch(model, inputs.to(device), targets.to(device))
+        loss += batch_loss
+        correct += batch_correct
+    reshard_all(model)
+    model.train()
+    metrics = {"val_loss": mean_over_ranks(loss / len(batches))}
+    if task.kind == "classification":
+        metrics["val_accuracy"] = mean_over_ranks(correct / len(batches))
+    return metrics
+
+
+class Evaluation:
+    """Evaluates when due and records the result (every rank evaluates: the loss is a
+    collective; only rank 0's logger writes)."""
+
+    def __init__(self, model: nn.Module, batches: Sequence[Batch], task: Task,
+                 device: torch.device, every: int, steps: int, logger: RunLogger) -> None:
+        self.model, self.batches, self.task, self.device = model, batches, task, device
+        self.every, self.steps, self.logger = every, steps, logger
+
+    def should_evaluate(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.steps
+
+    def run(self, step: int, wandb_step: Optional[int] = None) -> None:
+        """Evaluate now (step 0 of a fresh run), recording it at `step`."""
+        self.logger.record({"step": step, **evaluate(self.model, self.batches, self.task,
+                                                     self.device)}, wandb_step=wandb_step)
+
+    def maybe(self, step: int, wandb_step: int) -> None:
+        if self.should_evaluate(step):
+            self.run(step, wandb_step)

@@ -1,0 +1,119 @@
+"""What the run says about each step: every step the progress bar and the throughput watch,
+once the cost of starting, and every `logging.every` steps (and at the last) the full record,
+checked against the predicted memory. One live-bytes count on a chosen step
+(`logging.live_bytes_step`, or step 2 on CPU when memory was predicted).
+
+Every rank keeps a StepLog; on ranks other than 0 its logger drops what it is given."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from checkpointing.saved import SavedBytesMeter
+from trainer.observe.dashboard import watch_memory
+from trainer.observe.livebytes import step_tracker
+from trainer.observe.metrics import (RunLogger, device_used_bytes, peak_flops, peak_memory_bytes,
+                                     peak_reserved_bytes, startup_fields, startup_line)
+from trainer.observe.watch import Alerts, ThroughputWatch
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one optimizer step is, for throughput and MFU."""
+    tokens: int  # global batch x tokens per sample
+    samples: int  # global batch
+    world_size: int
+    flops_per_token: float
+    recompute_s: Optional[float] = None  # profiled seconds the plan adds per step
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What building cost, for the start-up line after the first step."""
+    build_s: float
+    build_started: float  # time.perf_counter() at the start of the build
+    compiled_blocks: int
+
+
+class StepLog:
+    def __init__(self, logger: RunLogger, alerts: Alerts, shape: StepShape,
+                 device: torch.device, every: int, steps: int, first_step: int,
+                 meter: SavedBytesMeter, offloader, startup: Startup,
+                 throughput: ThroughputWatch, predicted: Optional[int], memory_margin: float,
+                 live_step: Optional[int]) -> None:
+        self.logger, self.alerts, self.shape, self.device = logger, alerts, shape, device
+        self.every, self.steps, self.first_step = every, steps, first_step
+        self.meter, self.offloader, self.startup = meter, offloader, startup
+        self.throughput, self.predicted, self.margin = throughput, predicted, memory_margin
+        self.live_step, self.peak_flops = live_step, peak_flops(device)
+        self._startup: dict = {}  # logged with the first step's record
+        self._counted_step: Optional[int] = None
+
+    def should_log(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.steps
+
+    @contextlib.contextmanager
+    def count_live_bytes(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         micro_batches: Sequence, wandb_step: int) -> Iterator[None]:
+        """Around the training step: on the chosen step, count the peak of live tensor bytes
+        and record it (the memory model's check on CPU)."""
+        live = step_tracker(step == self.live_step, model, optimizer, list(micro_batches))
+        if live is None:
+            yield
+            return
+        with live:
+            yield
+        self._counted_step = step  # counting slows the step: no throughput verdict on it
+        record = {"step": step, "live_peak_bytes": live.peak}
+        self.logger.record(record, console=False)
+        watch_memory(self.logger, self.alerts, self.predicted, record, self.margin, wandb_step)
+
+    def step(self, step: int, loss: float, grad_norm: torch.Tensor, lr: float,
+             step_time: float, data_wait_s: float, tokens_seen: int, wandb_step: int) -> None:
+        """After a step that was applied."""
+        tokens_per_s = self.shape.tokens / step_time
+        self.logger.step(step, loss, tokens_per_s)
+        drift = None if self._counted_step == step else self.throughput.check(tokens_per_s)
+        if drift:
+            self.alerts.fire("throughput", step, drift, wandb_step=wandb_step)
+        if step == self.first_step + 1:  # the cost of starting: building, compiling, first step
+            s = self.startup
+            self._startup = startup_fields(s.build_s, step_time,
+                                           time.perf_counter() - s.build_started,
+                                           s.compiled_blocks)
+            self.logger.info(startup_line(self._startup, s.compiled_blocks))
+        if self.should_log(step):
+            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                       "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                       "samples_per_s": self.shape.samples / step_time,
+                       "data_wait_s": data_wait_s, "tokens_seen": tokens_seen,
+                       "peak_mem_bytes": peak_memory_bytes(self.device),
+                       "act_saved_bytes": self.meter.peak, **self._startup, **self._extra(
+                           tokens_per_s)}
+            self.meter.reset_peak()
+            self._startup = {}
+            self.logger.record(metrics, wandb_step=wandb_step)
+            watch_memory(self.logger, self.alerts, self.predicted, metrics, self.margin,
+                         wandb_step)
+
+    def _extra(self, tokens_per_s: float) -> dict:
+        """The fields that exist only for some runs: planned recompute, offload, CUDA memory
+        and MFU."""
+        extra = {}
+        if self.shape.recompute_s is not None:
+            extra["recompute_s"] = self.shape.recompute_s
+        if self.offloader is not None:
+            extra["offloaded_bytes"] = self.offloader.stats.offloaded_bytes
+        if self.device.type == "cuda":
+            extra["peak_reserved_bytes"] = peak_reserved_bytes(self.device)
+            extra["device_used_bytes"] = device_used_bytes(self.device)
+        if self.peak_flops is not None:
+            extra["mfu"] = (self.shape.flops_per_token * tokens_per_s
+                            / (self.peak_flops * self.shape.world_size))
+        return extra
