@@ -39,3 +39,24 @@ def test_fsdp_cpu_offload_matches_device_resident(tmp_path) -> None:
                              cwd=tmp_path, nproc=nproc))
         runs[name] = losses(run_dir)
     assert runs["offloaded"] == pytest.approx(runs["resident"], rel=1e-5)
+
+
+@pytest.mark.cuda
+def test_building_leaves_no_peak_behind(monkeypatch) -> None:
+    """Profiling runs blocks unsharded under every option; after the build the allocator's peak
+    starts again from what the run holds, and its cache is handed back (issue 29, item 1)."""
+    import torch
+
+    from checkpointing.saved import SavedBytesMeter
+    from tests.helpers import config
+    from trainer.build import build_model
+    from trainer.distenv import read_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = config("checkpointing=full", "sharding=none", "data.seq_len=512",
+                 "train.micro_batch_size=8", "train.device=cuda")
+    built = build_model(cfg, read_env("cuda"), replicate=1, meter=SavedBytesMeter())
+    device = next(built.model.parameters()).device
+    assert torch.cuda.max_memory_allocated(device) == torch.cuda.memory_allocated(device)
+    assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) < 64 * 2**20

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from checkpointing.blocks import canonical_name, find_blocks
 from checkpointing.compiled import compile_blocks
+from checkpointing.metatrace import cast_like_fsdp
 from checkpointing.plan import BlockPlan, with_offload
 from checkpointing.policies import (Budget, BudgetError, OffloadCost, choose_plan,
                                    compiler_budgets, resolve_budget)
@@ -33,6 +34,7 @@ from offload.apply import apply_offload, build_offloader, offload_dir
 from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
+from sharding.fsdp import DTYPES
 from trainer.config import Config, ConfigError, ModelConfig
 from trainer.models.llama import LlamaArgs, build_llama, flops_per_token
 from trainer.task import task_for
@@ -145,15 +147,18 @@ def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, allocate: bool = True) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int, allocate: bool = True,
+                storage: Optional[torch.device] = None) -> None:
     """Allocate real storage and initialise every parameter identically for any world size.
 
-    Each parameter's full value comes from its own generator seeded by (seed, name); a rank
-    keeps only its shard. So the weights do not depend on how many ranks share them.
+    Each parameter's full value comes from its own generator seeded by (seed, name) on
+    `device`, the compute device; a rank keeps only its shard, in `storage` (default: `device`;
+    the CPU under FSDP2's CPU offload). So the weights depend neither on how many ranks share
+    them nor on where they live: CUDA's and the CPU's generators draw different numbers.
     """
     init_fn: Callable = getattr(model, "init_param", None) or default_init
     if allocate:
-        model.to_empty(device=device)
+        model.to_empty(device=storage or device)
     seen: set[int] = set()
     for name, param in model.named_parameters():
         if id(param) in seen:  # tied weights are initialised once, under their first name
@@ -199,6 +204,7 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         return read_plan(c.plan_file, names, shard, cfg.train.compile), None, 0, None
     payload = [None]
     if denv.rank == 0:
+        model, blocks = profiling_model(cfg, model, blocks)
         task = task_for(cfg.model, cfg.data)
         inputs, targets = task.example(cfg.train.micro_batch_size)
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
@@ -221,6 +227,23 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
         offload = _offload_cost(cfg, denv, run_dir)
     plan = choose_plan(c.policy, names, shard, c.every, profiles, rest, budget, offload)
     return plan, profiles, rest, budget
+
+
+def profiling_model(cfg: Config, model: nn.Module, blocks: Sequence[nn.Module]
+                    ) -> tuple[nn.Module, Sequence[nn.Module]]:
+    """The meta model profiling measures: under FSDP mixed precision a copy computing in
+    `sharding.param_dtype`, as FSDP will run it. Profiling the fp32 model instead measures
+    other kernels and twice the bytes, and fp32 attention with grouped-query heads takes the
+    math path (whole [batch, heads, seq, seq] score tensors: tens of GiB at long sequences)."""
+    s = cfg.sharding
+    dtype = DTYPES.get(s.param_dtype) if s.mode != "none" and s.param_dtype else None
+    if dtype is None or dtype == next(model.parameters()).dtype:
+        return model, blocks
+    copy = build_on_meta(cfg.model)  # the run's own model stays in fp32 (FSDP's master weights)
+    freeze(copy, cfg.model.freeze)
+    _, copy_blocks = find_model_blocks(copy, cfg.model.block_pattern)
+    cast_like_fsdp(copy, copy_blocks, dtype)
+    return copy, copy_blocks
 
 
 def _with_compiler_option(cfg: Config, blocks: Sequence[nn.Module], trace,
@@ -310,12 +333,24 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
         fsdp.apply_fsdp(model, blocks, plan, mesh, fsdp.mixed_precision(
             cfg.sharding.param_dtype, cfg.sharding.reduce_dtype),
             cfg.sharding.reshard_after_forward, cpu_offload)
-    # With FSDP2 CPU offload the sharded parameters are born in CPU memory.
-    materialize(model, torch.device("cpu") if cpu_offload else denv.device, cfg.train.seed)
+    # With FSDP2 CPU offload the sharded parameters are born in CPU memory (their values are
+    # still drawn on the device, as a device-resident run draws them).
+    materialize(model, denv.device, cfg.train.seed,
+                storage=torch.device("cpu") if cpu_offload else None)
     if mesh is None and denv.world_size > 1:
         model = fsdp.apply_ddp(model, denv.device)
+    forget_build_peak(denv.device)
     return Built(model, plan, profiles, rest, budget, compiled, offloader, flops,
                  build_s=time.perf_counter() - started, started=started)
+
+
+def forget_build_peak(device: torch.device, cuda=torch.cuda) -> None:
+    """CUDA: hand the allocator's cached blocks back and restart its peak statistics, so that
+    profiling (which runs blocks unsharded, under every option) never reads as the run's peak
+    and its cache does not crowd the run. `cuda` stands in for torch.cuda in tests."""
+    if device.type == "cuda":
+        cuda.empty_cache()
+        cuda.reset_peak_memory_stats(device)
 
 
 def find_model_blocks(model: nn.Module, pattern: Optional[str]) -> tuple[list[str], list[nn.Module]]:

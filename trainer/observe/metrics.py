@@ -19,8 +19,12 @@ import torch
 log = logging.getLogger("trainer")
 
 # Dense bf16 peak FLOP/s per device (vendor data sheets), keyed by a substring of the CUDA
-# device name. MFU is reported only for devices listed here.
+# device name; the first key found wins, so a variant comes before the name it contains
+# ("NVIDIA H200 NVL" is not an H200 SXM). MFU is reported only for devices listed here.
 PEAK_BF16_FLOPS = {
+    "H200 NVL": 835e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
     "H200": 989e12,
     "H100": 989e12,
     "H800": 989e12,
@@ -36,8 +40,12 @@ PEAK_BF16_FLOPS = {
 def peak_flops(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> Optional[float]:
+    """The dense bf16 peak of a CUDA device by its name (None when not listed)."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name), None)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
