@@ -134,3 +134,30 @@ def test_the_checks_see_a_circle_and_a_wrong_arrow(tmp_path) -> None:
     sample.write_text("def f():\n    from trainer import loop\n    import trainer.fit.report\n")
     known = {"trainer.loop", "trainer.fit.report", "trainer"}
     assert imported_modules(sample, known) == {"trainer", "trainer.loop", "trainer.fit.report"}
+
+
+def long_functions(path, limit: int = 80) -> list[str]:
+    return [f"{path.name}:{node.lineno} {node.name} is {node.end_lineno - node.lineno + 1} lines"
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_function_over_80_lines_and_no_file_over_400() -> None:
+    paths = [p for folder in PROJECT for p in sorted((REPO / folder).rglob("*.py"))]
+    assert [f for p in paths for f in long_functions(p)] == []
+    assert [p.name for p in paths if len(p.read_text().splitlines()) >= 400] == []
+
+
+def test_the_length_check_sees_a_long_function(tmp_path) -> None:
+    sample = tmp_path / "x.py"
+    sample.write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n    pass\n")
+    assert long_functions(sample) == ["x.py:1 f is 81 lines"]
+
+
+def test_the_step_loop_fits_on_a_screen() -> None:
+    """The body of the step loop: one line per part, at most 40 lines."""
+    tree = ast.parse((REPO / "trainer" / "loop.py").read_text())
+    steps = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_steps")
+    loops = [n for n in ast.walk(steps) if isinstance(n, ast.While)]
+    assert len(loops) == 1 and loops[0].end_lineno - loops[0].lineno <= 40
