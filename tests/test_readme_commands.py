@@ -1,5 +1,6 @@
-"""Every trainer, Slurm and report command in README's code blocks composes and validates (no
-training), and every error README shows is the error that command gives, word for word."""
+"""Every trainer, Slurm and report command in the code blocks of README and of the pages it sends
+readers to (tests/README.md, checkpointing/BENCHMARKS.md) composes and validates (no training),
+and every error they show is the error that command gives, word for word."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from trainer.config import ConfigError
 PATH_KEYS = ("data.train_path", "data.val_path", "model.path", "save.dir", "offload.dir",
              "model.checkpoint_path", "model.name")  # model.name=local-dir:<folder> (timm)
 TOOLS = {"-m trainer": "trainer", "-m launch.slurm": "slurm", "-m trainer.report": "report"}
+# README and the pages that took over its test catalogue and its history of figures.
+PAGES = ("README.md", "tests/README.md", "checkpointing/BENCHMARKS.md")
 
 
-def readme_commands() -> list[tuple[int, str, str | None]]:
-    """(line, command, the error README shows after it or None), continuation lines joined."""
-    lines = (REPO / "README.md").read_text().splitlines()
+def readme_commands(page: str = "README.md") -> list[tuple[int, str, str | None]]:
+    """(line, command, the error the page shows after it or None), continuation lines joined."""
+    lines = (REPO / page).read_text().splitlines()
     found, in_block, i = [], False, 0
     while i < len(lines):
         line = lines[i]
@@ -79,6 +82,7 @@ def parse(command: str) -> tuple[str, list[list[str]], dict[str, str]]:
 
 
 COMMANDS = readme_commands()
+PAGE_COMMANDS = [(page, *found) for page in PAGES for found in readme_commands(page)]
 
 
 def test_readme_has_the_commands_this_test_reads() -> None:
@@ -86,8 +90,9 @@ def test_readme_has_the_commands_this_test_reads() -> None:
     assert tools == set(TOOLS.values()) and len(COMMANDS) >= 15
 
 
-@pytest.mark.parametrize("line,command,shown", COMMANDS, ids=[f"L{n}" for n, _, _ in COMMANDS])
-def test_readme_command_validates(line: int, command: str, shown: str | None) -> None:
+@pytest.mark.parametrize("page,line,command,shown", PAGE_COMMANDS,
+                         ids=[f"{page}:L{n}" for page, n, _, _ in PAGE_COMMANDS])
+def test_readme_command_validates(page: str, line: int, command: str, shown: str | None) -> None:
     tool, jobs, env = parse(command)
     if shown is not None:  # README shows this command failing: it must fail exactly so
         if tool == "slurm":
@@ -112,4 +117,4 @@ def test_readme_command_validates(line: int, command: str, shown: str | None) ->
             # model=timm validates by building the timm model, which needs timm importable
             # (tests/test_timm.py runs where it is).
             no_timm = exc.key == "model.arch" and "timm needs the timm package" in str(exc)
-            assert missing_file or no_timm, f"README line {line}: {command}\n  -> {exc}"
+            assert missing_file or no_timm, f"{page} line {line}: {command}\n  -> {exc}"

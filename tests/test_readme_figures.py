@@ -1,9 +1,10 @@
-"""Every command README quotes beside a figure (an inline `python -m ...`, `pytest ...` or script)
-exists and runs: its module and flags exist, its overrides compose and validate, a pre-flight
+"""Every command README quotes beside a figure (an inline `python -m ...`, `pytest ...` or script),
+and every one the pages README sends readers to quote (checkpointing/BENCHMARKS.md, the history of
+figures; tests/README.md), exists and runs: its module and flags exist, its overrides compose and validate, a pre-flight
 report runs as quoted (it is cheap: the meta device), and a benchmark runs its first row on the
 tiny model for two steps. So a figure cannot outlive the command that produced it.
 
-(Commands in README's code blocks are checked by tests/test_readme_commands.py.)
+(Commands in those pages' code blocks are checked by tests/test_readme_commands.py.)
 """
 
 from __future__ import annotations
@@ -22,10 +23,18 @@ from trainer import cli
 
 # Placeholders mark a command's shape, not a run of it.
 PLACEHOLDERS = ("...", "<", "[", "ENTITY", "A,B,C", "=G", " N ", " P ", "OUT")
+PAGES = ("README.md", "checkpointing/BENCHMARKS.md", "tests/README.md")
 
 
-def quoted_commands() -> list[str]:
-    text = re.sub(r"```.*?```", "", (REPO / "README.md").read_text(), flags=re.S)
+def quoted_commands(*pages: str) -> list[str]:
+    found = []
+    for page in pages:
+        found += [c for c in _quoted(page) if c not in found]
+    return found
+
+
+def _quoted(page: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", (REPO / page).read_text(), flags=re.S)
     found = []
     for span in re.findall(r"`([^`]+)`", text):
         command = re.sub(r"\s+", " ", span).strip()
@@ -38,11 +47,20 @@ def quoted_commands() -> list[str]:
     return found
 
 
-COMMANDS = quoted_commands()
+COMMANDS = quoted_commands(*PAGES)
+
+
+def _kinds(commands: list[str]) -> set[str]:
+    return {c.split()[2] if c.startswith("python") else c.split()[0] for c in commands}
 
 
 def test_readme_quotes_figure_commands_of_every_kind() -> None:
-    kinds = {c.split()[2] if c.startswith("python") else c.split()[0] for c in COMMANDS}
+    kinds = _kinds(quoted_commands("README.md"))
+    assert {"checkpointing.bench", "trainer.report", "trainer", "pytest"} <= kinds, kinds
+
+
+def test_benchmarks_page_quotes_the_commands_of_its_figures() -> None:
+    kinds = _kinds(quoted_commands("checkpointing/BENCHMARKS.md"))
     assert {"checkpointing.bench", "trainer.report", "trainer", "pytest"} <= kinds, kinds
 
 
