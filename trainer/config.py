@@ -77,7 +77,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "bytes"  # bytes | tokens | synthetic (text); images | synthetic_images (vit)
+    # bytes | tokens | synthetic | text | chat (language models); images | synthetic_images
+    source: str = "bytes"
     seq_len: int = 256
     # tokens: the .bin files; images: folders of <class>/<image> (the same classes in both)
     train_path: Optional[str] = None
@@ -92,6 +93,22 @@ class DataConfig:
     # Threads reading the next batches while a step computes (each reads one whole batch);
     # 0 reads each batch in the training thread when its step starts.
     workers: int = 2
+    # data=text / chat: the documents (a jsonl or parquet file, a folder or glob of them, a
+    # folder saved by `datasets`, or a dataset name), validation from data.val_path or else
+    # data.val_fraction of the documents held out; tokenized with data.tokenizer (default:
+    # model.path), packed and cached under data.cache_dir (default ~/.cache/blocktrain/data).
+    path: Optional[str] = None
+    split: str = "train"
+    tokenizer: Optional[str] = None
+    text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    train_on: str = "assistant"  # data=chat: assistant | last | all
+    packing: bool = True  # documents share windows (attention never crosses one)
+    overlong: str = "truncate"  # data=chat: a conversation longer than seq_len: truncate | drop
+    val_fraction: float = 0.01
+    cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -255,7 +272,9 @@ IMAGE_ARCHS = ("vit", "hf_vision", "timm")
 DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
     "model.arch": ("llama", "hf", "vit", "hf_vision", "timm"),
-    "data.source": ("bytes", "tokens", "synthetic", "images", "synthetic_images"),
+    "data.source": ("bytes", "tokens", "synthetic", "text", "chat", "images", "synthetic_images"),
+    "data.train_on": ("assistant", "last", "all"),
+    "data.overlong": ("truncate", "drop"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.compile_backend": ("inductor", "aot_eager", "eager"),

@@ -176,9 +176,9 @@ def injected_loss(loss_fn: LossFn, batch_index: int, nan_at: Sequence[int],
     if batch_index in hang_at and rank == world_size - 1:
         time.sleep(hang_s)  # the other ranks' next collective must time out, naming itself
     if batch_index in nan_at:
-        return lambda model, x, y: loss_fn(model, x, y) * float("nan")
+        return lambda model, *batch: loss_fn(model, *batch) * float("nan")
     if batch_index in spike_at:
-        return lambda model, x, y: loss_fn(model, x, y) * 100.0
+        return lambda model, *batch: loss_fn(model, *batch) * 100.0
     return loss_fn
 
 

@@ -17,6 +17,7 @@ import time
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from checkpointing.plan import describe, plan_rows, plan_table, plan_to_json
@@ -28,7 +29,7 @@ from sharding.fsdp import set_grad_sync
 from trainer.build import build_model
 from trainer.config import Config
 from trainer.data.prefetch import Prefetcher
-from trainer.data.tokens import train_batch, val_batches
+from trainer.data.tokens import step_counts, train_batch, val_batches
 from trainer.distenv import DistEnv, init_distributed, mean_over_ranks, read_env, shutdown
 from trainer.faults import (Collectives, LossFn, LossGuard, PreemptionSignal, StopVote, Verdict,
                             injected_loss)
@@ -51,25 +52,33 @@ from trainer.validate import Layout
 
 log = logging.getLogger("trainer")
 INTERRUPTED_EXIT = 130  # the shell's status for a command stopped by Ctrl-C
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, targets), or packed: (inputs, targets, positions)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: Sequence[Batch], grad_clip: float, meter: SavedBytesMeter,
                offloader: Optional[Offloader], guard: LossGuard,
-               loss_fn: LossFn = lm_loss) -> tuple[float, torch.Tensor, Verdict]:
+               loss_fn: LossFn = lm_loss,
+               normaliser: Optional[int] = None) -> tuple[float, torch.Tensor, Verdict]:
     """One optimizer step over this rank's micro-batches; returns (loss, grad norm, verdict).
 
+    normaliser: for a loss summed over supervised targets (packed documents), their count in
+    the whole global batch, so that the loss is their mean whatever the micro-batches and
+    ranks hold (gradients are averaged over ranks, hence the world size). Otherwise each
+    micro-batch's mean counts 1 / its number.
     The update is applied only if the guard accepts the step; it judges the loss averaged over
     ranks and the global gradient norm, so every rank decides the same.
     """
     total_loss = torch.zeros((), device=micro_batches[0][0].device)
-    for i, (inputs, targets) in enumerate(micro_batches):
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for i, batch in enumerate(micro_batches):
         # Cross-rank reduction is deferred to the last micro-batch where that saves traffic.
         set_grad_sync(model, i == len(micro_batches) - 1)
         with offload_micro_batch(offloader):  # planned blocks' activations leave the device
             with meter.measure():  # counts what this forward keeps on the device for backward
-                loss = loss_fn(model, inputs, targets) / len(micro_batches)
+                loss = loss_fn(model, *batch)
+                loss = (loss / len(micro_batches) if normaliser is None
+                        else loss * (world / max(normaliser, 1)))
             loss.backward()
         total_loss += loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
@@ -92,7 +101,7 @@ def step_seconds(started: float, device: torch.device, synchronize=None) -> floa
 
 
 def _to(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
-    return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+    return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in batches]
 
 
 def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = False) -> int:
@@ -145,7 +154,8 @@ class Trainer:
                                          cfg.save.async_save, denv.rank, denv.world_size,
                                          self.device, dataclasses.asdict(cfg.model))
         self.train_set, val_set = build_task_datasets(cfg.model, cfg.data,
-                                                      model_vocab_size(cfg.model), t.seed)
+                                                      model_vocab_size(cfg.model), t.seed,
+                                                      preparer=denv.local_rank == 0)
         self.batches = Prefetcher(self._read_batch, cfg.data.workers)
         self.val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
                                     denv.world_size)
@@ -170,6 +180,12 @@ class Trainer:
         return injected_loss(self.task.loss, batch_index, f.inject_nan_at, f.inject_spike_at,
                              f.inject_hang_at, 2.0 * t.dist_timeout_s, self.denv.rank,
                              self.denv.world_size, f.inject_slow_at, f.inject_slow_s)
+
+    def _counts(self, batch_index: int) -> Optional[tuple[int, int]]:
+        """(supervised targets, real tokens) of the step's global batch, when the data counts
+        them (packed documents): the loss normaliser and what throughput counts."""
+        return step_counts(self.train_set, batch_index, self.layout.global_batch_size,
+                           self.cfg.train.seed)
 
     def _timed_out(self, text: str) -> None:
         self.alerts.fire("collective_timeout", self.progress.step + 1, text, "ERROR",
@@ -197,6 +213,7 @@ class Trainer:
             micro_batches = _to(self.batches.get(index), self.device)
             data_wait_s = time.perf_counter() - started  # ~0 when the batch was read ahead
             loss_fn = self._loss_for(index)  # faults.inject_*: a drill may slow or spoil it
+            counts = self._counts(index)  # packed documents: (supervised, real) tokens, or None
             lr = self.scheduler.get_last_lr()[0]
             with self.collectives(f"step {step} (forward, backward, gradient reduction)"), \
                     self.steplog.count_live_bytes(step, self.model, self.optimizer,
@@ -204,7 +221,7 @@ class Trainer:
                 loss, grad_norm, verdict = train_step(
                     self.model, self.optimizer, self.scheduler, micro_batches,
                     self.cfg.optim.grad_clip, self.meter, self.built.offloader, self.guard,
-                    loss_fn)
+                    loss_fn, counts and counts[0])
             self.progress.batch_index += 1
             if not verdict.ok:
                 self.progress = bad_step(verdict, step, self.progress, self.checkpointer,
@@ -213,9 +230,9 @@ class Trainer:
                                          self.cfg.faults.max_rollbacks)
                 continue
             self.progress.step = step
-            self.progress.tokens_seen += self.steplog.shape.tokens
+            self.progress.tokens_seen += self.steplog.tokens_of(counts)
             self.steplog.step(step, loss, grad_norm, lr, step_seconds(started, self.device),
-                              data_wait_s, self.progress.tokens_seen, index + 1)
+                              data_wait_s, self.progress.tokens_seen, index + 1, counts)
             self.evaluation.maybe(step, index + 1)
             with self.collectives(f"the end-of-step vote of step {step}"):
                 stop_reason = self.stops.vote(step)

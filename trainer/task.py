@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from trainer.config import IMAGE_ARCHS, DataConfig, ModelConfig
-from trainer.validate import IMAGE_SOURCES
+from trainer.validate import DOCUMENT_SOURCES, IMAGE_SOURCES
+
+IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default)
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +29,15 @@ class Task:
     sample_shape: tuple[int, ...]  # one input: (seq_len,) tokens or (channels, size, size)
     tokens_per_sample: int  # sequence length, or patch tokens per image
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> loss
+    # Packed documents (data=text / chat): the loss is a sum over the supervised targets, which
+    # the step divides by the global batch's count (micro-batches hold different numbers).
+    summed: bool = False
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.criterion(model(inputs), targets)
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            return self.criterion(model(inputs), targets)
+        return self.criterion(model(inputs, positions), targets)
 
     def example(self, micro_batch_size: int, device: torch.device | str = "meta") -> Batch:
         """A micro-batch of the right shapes and dtypes (zeros; on meta for tracing)."""
@@ -42,10 +50,13 @@ class Task:
         return (torch.zeros(micro_batch_size, *self.sample_shape, device=device),
                 torch.zeros(micro_batch_size, dtype=torch.long, device=device))
 
-    def eval_batch(self, model: nn.Module, inputs: torch.Tensor,
-                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean loss, fraction of correct top-1 predictions) of one batch."""
-        logits = model(inputs)
+    def eval_batch(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, fraction of correct top-1 predictions) of one batch; for a summed loss,
+        (loss summed over the supervised targets, their count)."""
+        logits = model(inputs) if positions is None else model(inputs, positions)
+        if self.summed:
+            return self.criterion(logits, targets), (targets != IGNORE_INDEX).sum().float()
         correct = (logits.argmax(dim=-1) == targets).float().mean()
         return self.criterion(logits, targets), correct
 
@@ -57,13 +68,23 @@ def task_for(model: ModelConfig, data: DataConfig) -> Task:
         side = model.image_size // model.patch_size
         return Task("classification", (model.channels, model.image_size, model.image_size),
                     side * side, class_loss)
-    from trainer.models.llama import next_token_loss
+    from trainer.models.llama import next_token_loss, next_token_loss_sum
 
+    if data.source in DOCUMENT_SOURCES:
+        return Task("lm", (data.seq_len,), data.seq_len, next_token_loss_sum, summed=True)
     return Task("lm", (data.seq_len,), data.seq_len, next_token_loss)
 
 
-def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, seed: int):
-    """(train, val) datasets for the task: token windows, or labelled images."""
+def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, seed: int,
+                        preparer: bool = True):
+    """(train, val) datasets for the task: token windows, packed documents, or labelled images.
+    preparer: this process tokenizes documents not cached yet (one per node); others wait."""
+    if data.source in DOCUMENT_SOURCES:
+        from trainer.data.documents import text_datasets
+        from trainer.data.sources import document_settings
+
+        return text_datasets(data.path, data.val_path, data.tokenizer or model.path,
+                             document_settings(data), data.cache_dir, vocab_size, preparer)
     if data.source in IMAGE_SOURCES:
         from trainer.data.images import image_datasets
 

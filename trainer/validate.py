@@ -13,6 +13,7 @@ from trainer.config import (CHOICES, DTYPES, IMAGE_ARCHS, SIGNALS, Checkpointing
                             ConfigError, DataConfig, TrainConfig, require)
 
 IMAGE_SOURCES = ("images", "synthetic_images")
+DOCUMENT_SOURCES = ("text", "chat")  # read, tokenized and packed by trainer/data/documents.py
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,29 @@ def _check_text(cfg: Config) -> None:
         require(bool(cfg.data.val_path), "data.val_path",
                 "data.source=tokens needs data.val_path=<file.bin>")
         _check_token_files(cfg.data, m.vocab_size)
+    if cfg.data.source in DOCUMENT_SOURCES:
+        _check_documents(cfg.data, m)
     if cfg.data.source == "bytes":
         from trainer.models.hf_settings import model_vocab_size
 
         vocab = model_vocab_size(m)
         require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
                 f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
+
+
+def _check_documents(d: DataConfig, m) -> None:
+    """data=text / chat: where the documents are and which tokenizer reads them."""
+    require(bool(d.path), "data.path", f"data={d.source} needs data.path=<jsonl or parquet "
+            "file, folder, glob, saved dataset or dataset name>")
+    require(d.train_path is None, "data.train_path",
+            f"data={d.source} reads data.path (data.train_path is for data=tokens and images)")
+    require(bool(d.tokenizer or (m.arch == "hf" and m.path)), "data.tokenizer",
+            f"data={d.source} needs a Hugging Face tokenizer: data.tokenizer=<folder or name> "
+            "(model=hf with model.path uses the model's own)")
+    require(0 < d.val_fraction < 1 or d.val_path is not None, "data.val_fraction",
+            f"must be in (0, 1) when data.val_path is not set, got {d.val_fraction}")
+    if d.cache_dir is not None:
+        check_writable(d.cache_dir, "data.cache_dir")
 
 
 def _check_images(cfg: Config) -> None:

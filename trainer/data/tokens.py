@@ -206,6 +206,8 @@ def _stack(dataset: Windows, window_ids: np.ndarray, draws: np.ndarray | None = 
         items = [dataset.sample(int(k), int(g)) for k, g in zip(window_ids, draws)]
     else:
         items = [dataset[int(k)] for k in window_ids]
+    if isinstance(items[0], tuple) and len(items[0]) == 3:  # packed windows (data/packing.py)
+        return tuple(torch.stack([item[i] for item in items]) for i in range(3))
     if isinstance(items[0], tuple):  # (image, label) samples (trainer/data/images.py)
         return (torch.stack([x for x, _ in items]),
                 torch.tensor([y for _, y in items], dtype=torch.long))
@@ -233,19 +235,33 @@ def train_batch(dataset: Windows, step: int, micro_batch_size: int, grad_accum: 
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     _check_rank(dp_rank, dp_size)
-    num_windows = dataset.num_windows
     per_rank = micro_batch_size * grad_accum
     first = step * per_rank * dp_size + dp_rank * per_rank
     samples = np.arange(first, first + per_rank, dtype=np.int64)
+    window_ids = windows_of(samples, dataset.num_windows, seed)
+    return [_stack(dataset, window_ids[m * micro_batch_size:(m + 1) * micro_batch_size],
+                   samples[m * micro_batch_size:(m + 1) * micro_batch_size])
+            for m in range(grad_accum)]
+
+
+def windows_of(samples: np.ndarray, num_windows: int, seed: int) -> np.ndarray:
+    """The window each global sample reads: perm_e[g % N] with e = g // N."""
     epochs = samples // num_windows
     window_ids = np.empty_like(samples)
     for epoch in np.unique(epochs):
         in_epoch = epochs == epoch
         permutation = _epoch_permutation(seed, int(epoch), num_windows)
         window_ids[in_epoch] = permutation[samples[in_epoch] % num_windows]
-    return [_stack(dataset, window_ids[m * micro_batch_size:(m + 1) * micro_batch_size],
-                   samples[m * micro_batch_size:(m + 1) * micro_batch_size])
-            for m in range(grad_accum)]
+    return window_ids
+
+
+def step_counts(dataset, step: int, global_batch: int, seed: int) -> tuple[int, int] | None:
+    """(supervised targets, real tokens) of the whole global batch of step `step`, the same on
+    every rank (datasets that count them: packed windows); None for the others."""
+    if not hasattr(dataset, "supervised_and_real"):
+        return None
+    samples = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    return dataset.supervised_and_real(windows_of(samples, dataset.num_windows, seed))
 
 
 def val_batches(dataset: Windows, num_batches: int, micro_batch_size: int,

@@ -46,6 +46,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
         _hf_model_type(cfg)
         _blocks(cfg)
         _token_files(cfg)
+        _documents(cfg)
         if layout is not None:
             _memory(cfg, layout, gpus_per_node)
     except ValueError as exc:
@@ -132,6 +133,29 @@ def _token_files(cfg: Config) -> None:
             raise ConfigError(key, f"{path} holds token id {largest}, but model.vocab_size is "
                               f"{vocab} (ids must be < {vocab}); raise model.vocab_size or "
                               "tokenize with the model's tokenizer")
+
+
+def _documents(cfg: Config) -> None:
+    """data=text / chat: the files are there and have the field, the tokenizer loads (with a
+    chat template for chat) and fits the model's vocabulary. The first record is enough."""
+    d = cfg.data
+    if d.source not in ("text", "chat"):
+        return
+    from trainer.data.sources import (DataError, check_fields, document_settings,
+                                      first_record_fields, load_tokenizer)
+    from trainer.models.hf_settings import model_vocab_size
+
+    try:
+        fields = first_record_fields(d.path, d.split)
+        if fields is not None:
+            check_fields(fields, document_settings(d), d.path)
+        tokenizer = load_tokenizer(d.tokenizer or cfg.model.path, d.source)
+    except DataError as exc:
+        raise as_config_error(exc) from None
+    vocab = model_vocab_size(cfg.model)
+    if len(tokenizer) > vocab:
+        raise ConfigError("model.vocab_size", f"the tokenizer {d.tokenizer or cfg.model.path} "
+                          f"has {len(tokenizer)} ids, more than the model's {vocab}")
 
 
 def largest_token_id(path: str, tokens, meta: dict | None) -> int:

@@ -286,6 +286,12 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+def next_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy summed over the targets that are not ignored (-100), in fp32: packed
+    documents, where the step divides by the global batch's count of such targets."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
+
+
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy of the model's logits for `inputs`."""
     return next_token_loss(model(inputs), targets)

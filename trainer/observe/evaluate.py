@@ -12,7 +12,7 @@ from trainer.distenv import mean_over_ranks
 from trainer.observe.metrics import RunLogger
 from trainer.task import Task
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
 
 
 @torch.no_grad()
@@ -23,13 +23,15 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task,
     one at a time."""
     model.eval()
     loss = torch.zeros((), device=device)
-    correct = torch.zeros_like(loss)
-    for inputs, targets in batches:
-        batch_loss, batch_correct = task.eval_batch(model, inputs.to(device), targets.to(device))
+    correct = torch.zeros_like(loss)  # a summed loss (packed documents): the targets counted
+    for batch in batches:
+        batch_loss, batch_correct = task.eval_batch(model, *(t.to(device) for t in batch))
         loss += batch_loss
         correct += batch_correct
     reshard_all(model)
     model.train()
+    if task.summed:  # the mean over every rank's supervised targets
+        return {"val_loss": mean_over_ranks(loss) / max(mean_over_ranks(correct), 1e-30)}
     metrics = {"val_loss": mean_over_ranks(loss / len(batches))}
     if task.kind == "classification":
         metrics["val_accuracy"] = mean_over_ranks(correct / len(batches))

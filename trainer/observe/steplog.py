@@ -74,10 +74,15 @@ class StepLog:
         self.logger.record(record, console=False)
         watch_memory(self.logger, self.alerts, self.predicted, record, self.margin, wandb_step)
 
+    def tokens_of(self, counts: Optional[tuple[int, int]]) -> int:
+        """The step's tokens: real ones (not padding) where the data counts them."""
+        return self.shape.tokens if counts is None else counts[1]
+
     def step(self, step: int, loss: float, grad_norm: torch.Tensor, lr: float,
-             step_time: float, data_wait_s: float, tokens_seen: int, wandb_step: int) -> None:
-        """After a step that was applied."""
-        tokens_per_s = self.shape.tokens / step_time
+             step_time: float, data_wait_s: float, tokens_seen: int, wandb_step: int,
+             counts: Optional[tuple[int, int]] = None) -> None:
+        """After a step that was applied; counts: (supervised, real) tokens of packed data."""
+        tokens_per_s = self.tokens_of(counts) / step_time
         self.logger.step(step, loss, tokens_per_s)
         drift = None if self._counted_step == step else self.throughput.check(tokens_per_s)
         if drift:
@@ -95,17 +100,20 @@ class StepLog:
                        "data_wait_s": data_wait_s, "tokens_seen": tokens_seen,
                        "peak_mem_bytes": peak_memory_bytes(self.device),
                        "act_saved_bytes": self.meter.peak, **self._startup, **self._extra(
-                           tokens_per_s)}
+                           tokens_per_s, counts)}
             self.meter.reset_peak()
             self._startup = {}
             self.logger.record(metrics, wandb_step=wandb_step)
             watch_memory(self.logger, self.alerts, self.predicted, metrics, self.margin,
                          wandb_step)
 
-    def _extra(self, tokens_per_s: float) -> dict:
-        """The fields that exist only for some runs: planned recompute, offload, CUDA memory
-        and MFU."""
+    def _extra(self, tokens_per_s: float, counts: Optional[tuple[int, int]]) -> dict:
+        """The fields that exist only for some runs: packed data's supervised tokens and
+        packing efficiency, planned recompute, offload, CUDA memory and MFU."""
         extra = {}
+        if counts is not None:
+            extra["supervised_tokens"] = counts[0]
+            extra["packing_efficiency"] = counts[0] / self.shape.tokens
         if self.shape.recompute_s is not None:
             extra["recompute_s"] = self.shape.recompute_s
         if self.offloader is not None:

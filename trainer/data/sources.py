@@ -1,0 +1,161 @@
+"""Where documents come from: jsonl or parquet files (a file, a folder searched whole, or a
+glob), a dataset saved with `datasets`' save_to_disk, or a dataset name, all read with the
+`datasets` library; and the tokenizer that turns them into ids."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from trainer.data.chat import ChatError, check_template
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+@dataclass(frozen=True)
+class DocSettings:
+    """Everything that decides the windows, and so the cache key."""
+    kind: str  # "text" | "chat"
+    seq_len: int
+    packing: bool = True
+    text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    train_on: str = "assistant"
+    overlong: str = "truncate"
+    split: str = "train"
+    val_fraction: float = 0.01
+
+
+class DataError(ValueError):
+    """Data that cannot be used; the message starts with the setting to change."""
+
+
+def data_files(path: str) -> list[str]:
+    """The jsonl / parquet files `path` names: a file, a folder (searched whole) or a glob."""
+    if any(c in path for c in "*?["):
+        found = sorted(glob.glob(path, recursive=True))
+    elif os.path.isdir(path):
+        found = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
+                       for name in names)
+    else:
+        found = [path] if os.path.isfile(path) else []
+    files = [f for f in found if os.path.splitext(f)[1] in BUILDERS]
+    builders = {BUILDERS[os.path.splitext(f)[1]] for f in files}
+    if len(builders) > 1:
+        raise DataError(f"data.path: {path} mixes jsonl and parquet files; point it at one kind")
+    return files
+
+
+def is_saved_dataset(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, m))
+                                       for m in SAVED_MARKERS)
+
+
+def open_documents(path: str, split: str, streaming: bool = False):
+    """A `datasets` Dataset (IterableDataset when streaming) of the records at `path`."""
+    import datasets
+
+    if is_saved_dataset(path):
+        loaded = datasets.load_from_disk(path)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"data.split: {path} has splits {', '.join(loaded)}, not {split!r}")
+            loaded = loaded[split]
+        return loaded.to_iterable_dataset() if streaming else loaded
+    files = data_files(path)
+    if files:
+        builder = BUILDERS[os.path.splitext(files[0])[1]]
+        return datasets.load_dataset(builder, data_files=files, split="train",
+                                     streaming=streaming)
+    if os.path.exists(path) or path.startswith((".", "/", "~")):
+        raise DataError(f"data.path: {path} holds no .jsonl, .json or .parquet file")
+    try:  # a dataset name: needs the hub (or its local cache)
+        return datasets.load_dataset(path, split=split, streaming=streaming)
+    except Exception as exc:
+        raise DataError(f"data.path: {path!r} is neither a file, a folder nor a dataset the hub "
+                        f"could give ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+
+
+def load_tokenizer(name: Optional[str], kind: str):
+    if not name:
+        raise DataError("data.tokenizer: data=text and data=chat need a Hugging Face tokenizer: "
+                        "set data.tokenizer=<folder or name> (model=hf uses model.path)")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as exc:
+        raise DataError(f"data.tokenizer: cannot load a tokenizer from {name} "
+                        f"({str(exc).splitlines()[0][:200]})") from None
+    if kind == "chat":
+        try:
+            check_template(tokenizer, name)
+        except ChatError as exc:
+            raise DataError(str(exc)) from None
+    return tokenizer
+
+
+def first_record_fields(path: str, split: str) -> Optional[list[str]]:
+    """The fields of the first record, read cheaply (one jsonl line, a parquet schema, a saved
+    dataset's features); None for a dataset name (the hub is asked only when the run starts)."""
+    if is_saved_dataset(path):
+        return list(open_documents(path, split).column_names)
+    files = data_files(path)
+    if not files:
+        if os.path.exists(path) or path.startswith((".", "/", "~")):
+            raise DataError(f"data.path: {path} holds no .jsonl, .json or .parquet file"
+                            if os.path.exists(path) else f"data.path: no such file: {path}")
+        return None
+    first = files[0]
+    if first.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(first).names)
+        except Exception as exc:
+            raise DataError(f"data.path: {first} is not a readable parquet file "
+                            f"({str(exc).splitlines()[0][:200]})") from None
+    return _jsonl_fields(first)
+
+
+def _jsonl_fields(path: str) -> list[str]:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = next((line for line in f if line.strip()), None)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte "
+                        f"{exc.start})") from None
+    if line is None:
+        raise DataError(f"data.path: {path} is empty")
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise DataError(f"data.path: {path}: the first line is not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"data.path: {path}: a record must be a JSON object")
+    return list(record)
+
+
+def check_fields(names: list[str], settings: DocSettings, path: str) -> None:
+    """The field the documents are read from is there; else one line naming those that are."""
+    if settings.kind == "text" and settings.text_field not in names:
+        raise DataError(f"data.text_field: {path} has no field {settings.text_field!r}; its "
+                        f"fields: {', '.join(names)}")
+    if settings.kind == "chat" and settings.messages_field not in names and not (
+            settings.prompt_field in names and settings.completion_field in names):
+        raise DataError(f"data.messages_field: {path} has neither {settings.messages_field!r} "
+                        f"nor {settings.prompt_field!r}/{settings.completion_field!r}; its "
+                        f"fields: {', '.join(names)}")
+
+
+def document_settings(d) -> DocSettings:
+    """The DocSettings of a DataConfig (data=text / chat)."""
+    return DocSettings(d.source, d.seq_len, d.packing, d.text_field, d.messages_field,
+                       d.prompt_field, d.completion_field, d.train_on, d.overlong, d.split,
+                       d.val_fraction)

@@ -1,0 +1,183 @@
+"""Tokenizing documents once, with a progress bar, and packing both splits (the work behind
+trainer/data/documents.py's cache)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+
+from trainer.data.chat import ChatError, chat_tokens, messages_of
+from trainer.data.packing import (best_fit_bins, bin_window, concat_count, concat_windows,
+                                  fit_length, write_windows)
+from trainer.data.sources import DataError, DocSettings, check_fields, open_documents
+
+log = logging.getLogger("trainer")
+SPLIT_SEED = 0  # which documents are held out for validation: fixed, so train.seed can change
+
+
+class _Progress:
+    """Rank 0's bar while tokenizing: documents, tokens/s, time left."""
+
+    def __init__(self, total: Optional[int]) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="doc", desc="tokenizing", dynamic_ncols=True,
+                        disable=None, file=sys.stderr, leave=False)
+        self.tokens, self.started = 0, time.perf_counter()
+
+    def update(self, docs: int, tokens: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix(tok_s=f"{rate:,.0f}", refresh=False)
+        self.bar.update(docs)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _text_batch(tokenizer, settings: DocSettings, eos: int):
+    def encode(batch: dict) -> dict:
+        texts = batch[settings.text_field]
+        bad = next((t for t in texts if not isinstance(t, str)), None)
+        if bad is not None:
+            raise DataError(f"data.text_field: {settings.text_field!r} holds a "
+                            f"{type(bad).__name__}, not text")
+        ids = [list(x) + [eos] for x in tokenizer(texts)["input_ids"]]
+        return {"ids": ids, "sup": [[True] * len(x) for x in ids]}
+    return encode
+
+
+def _chat_batch(tokenizer, settings: DocSettings):
+    def encode(batch: dict) -> dict:
+        records = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        ids, sup = [], []
+        for record in records:
+            try:
+                messages = messages_of(record, settings.messages_field, settings.prompt_field,
+                                       settings.completion_field)
+            except ChatError as exc:
+                raise DataError(str(exc)) from None
+            tokens, supervised = chat_tokens(tokenizer, messages, settings.train_on)
+            ids.append(tokens)
+            sup.append(supervised)
+        return {"ids": ids, "sup": sup}
+    return encode
+
+
+def tokenize(records, tokenizer, settings: DocSettings, progress: _Progress):
+    """The records as documents: `ids`, `sup` (supervised per token) and `length` columns."""
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    encode = (_text_batch(tokenizer, settings, eos) if settings.kind == "text"
+              else _chat_batch(tokenizer, settings))
+
+    def encode_and_count(batch: dict) -> dict:
+        out = encode(batch)
+        out["length"] = [len(x) for x in out["ids"]]
+        progress.update(len(out["ids"]), sum(out["length"]))
+        return out
+
+    return records.map(encode_and_count, batched=True, batch_size=256,
+                       remove_columns=records.column_names, load_from_cache_file=False,
+                       keep_in_memory=False)
+
+
+def _usable(docs, settings: DocSettings):
+    """Documents worth a window: two tokens or more, and (chat) some token to learn."""
+    if settings.kind == "chat":
+        return docs.filter(lambda d: d["length"] >= 2 and any(d["sup"][1:]))
+    return docs.filter(lambda d: d["length"] >= 2)
+
+
+def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
+            settings: DocSettings) -> dict:
+    """Tokenize, hold out validation documents (unless `val_path`), pack; returns the stats."""
+    import datasets
+
+    datasets.disable_progress_bars()  # ours says documents and tokens/s
+    started = time.perf_counter()
+    sources = {"train": open_documents(path, settings.split)}
+    if val_path:
+        sources["val"] = open_documents(val_path, settings.split)
+    docs, raw = {}, 0
+    for split, records in sources.items():
+        check_fields(list(records.column_names or []), settings,
+                     path if split == "train" else val_path)
+        progress = _Progress(len(records))
+        try:
+            tokenized = tokenize(records, tokenizer, settings, progress)
+        except UnicodeDecodeError as exc:
+            raise DataError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte "
+                            f"{exc.start})") from None
+        finally:
+            progress.close()
+        raw += len(tokenized)
+        docs[split] = _usable(tokenized, settings)
+    if "val" not in docs:
+        docs["train"], docs["val"] = _hold_out(docs["train"], settings.val_fraction)
+    tokenize_s = time.perf_counter() - started
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        tokenizer.eos_token_id or 0)
+    meta = {"documents": raw, "skipped": raw - len(docs["train"]) - len(docs["val"]),
+            "tokens": int(sum(docs["train"]["length"]) + sum(docs["val"]["length"])),
+            "tokenize_s": tokenize_s, "settings": settings.__dict__}
+    for split in ("train", "val"):
+        if len(docs[split]) == 0:
+            raise DataError(f"data.path: no usable {split} documents in {path} (each needs two "
+                            "tokens or more" + (", and an assistant turn" if settings.kind ==
+                                                "chat" else "") + ")")
+        meta[split] = pack_split(os.path.join(work, split), docs[split], settings.seq_len, pad,
+                                 settings)
+    meta["seconds"] = time.perf_counter() - started
+    return meta
+
+
+def _hold_out(docs, fraction: float):
+    """(train, val): a fixed, seeded choice of documents for validation, at least one."""
+    n = len(docs)
+    if n < 2:
+        raise DataError(f"data.path: {n} usable document; a validation split needs another "
+                        "(or set data.val_path)")
+    n_val = min(n - 1, max(1, round(n * fraction)))
+    held = np.sort(np.random.default_rng(SPLIT_SEED).permutation(n)[:n_val])
+    keep = np.setdiff1d(np.arange(n), held)
+    return docs.select(keep), docs.select(held)
+
+
+def pack_split(folder: str, docs, seq_len: int, pad_id: int, settings: DocSettings) -> dict:
+    """Pack one split's tokenized documents (columns ids, sup) into `folder`."""
+    lengths = np.asarray(docs["length"], dtype=np.int64) - 1  # training positions per doc
+    if settings.kind == "text" and settings.packing:
+        num = concat_count(lengths + 1, seq_len)
+        windows = concat_windows(_iter_docs(docs), seq_len, pad_id)
+        truncated = dropped = 0
+    else:
+        kept = [fit_length(int(n), seq_len, settings.overlong) for n in lengths]
+        truncated = sum(1 for n, k in zip(lengths, kept) if 0 < k < n)
+        dropped = sum(1 for n, k in zip(lengths, kept) if k == 0 and n > 0)
+        bins = (best_fit_bins(kept, seq_len) if settings.packing
+                else [[i] for i, k in enumerate(kept) if k > 0])
+        num = len(bins)
+        windows = (bin_window(_docs_at(docs, b), seq_len, pad_id) for b in bins)
+    write_windows(folder, windows, num, seq_len)
+    counts = np.load(os.path.join(folder, "counts.npy"))
+    supervised = int(counts[:, 0].sum())
+    return {"windows": num, "supervised": supervised, "real_tokens": int(counts[:, 1].sum()),
+            "efficiency": supervised / max(1, num * seq_len), "truncated": int(truncated),
+            "dropped_overlong": int(dropped)}
+
+
+def _iter_docs(docs, batch: int = 1000):
+    for rows in docs.iter(batch_size=batch):
+        for ids, sup in zip(rows["ids"], rows["sup"]):
+            yield np.asarray(ids, dtype=np.int64), np.asarray(sup, dtype=bool)
+
+
+def _docs_at(docs, indices):
+    rows = docs[list(indices)]
+    return [(np.asarray(i, dtype=np.int64), np.asarray(s, dtype=bool))
+            for i, s in zip(rows["ids"], rows["sup"])]
