@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import config
-from tests.text_data import (chat_records, make_tokenizer, text_records, write_jsonl,
+from trainer.data.demo import (chat_records, make_tokenizer, text_records, write_jsonl,
                              write_parquet)
 from trainer.config import ConfigError
 from trainer.data import tokenize_docs

@@ -109,6 +109,9 @@ class DataConfig:
     overlong: str = "truncate"  # data=chat: a conversation longer than seq_len: truncate | drop
     val_fraction: float = 0.01
     cache_dir: Optional[str] = None
+    # Read data.path as a stream, tokenized and packed as it arrives (no cache): for corpora
+    # larger than the disk. Needs data.val_path; resumes only on the same number of ranks.
+    streaming: bool = False
 
 
 @dataclass

@@ -153,9 +153,9 @@ class Trainer:
         self.checkpointer = Checkpointer(_checkpoint_dir(cfg, run_dir), cfg.save.keep,
                                          cfg.save.async_save, denv.rank, denv.world_size,
                                          self.device, dataclasses.asdict(cfg.model))
-        self.train_set, val_set = build_task_datasets(cfg.model, cfg.data,
-                                                      model_vocab_size(cfg.model), t.seed,
-                                                      preparer=denv.local_rank == 0)
+        self.train_set, val_set = build_task_datasets(
+            cfg.model, cfg.data, model_vocab_size(cfg.model), t.seed, denv.local_rank == 0,
+            (denv.rank, denv.world_size, t.micro_batch_size, layout.grad_accum))
         self.batches = Prefetcher(self._read_batch, cfg.data.workers)
         self.val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
                                     denv.world_size)
@@ -169,10 +169,24 @@ class Trainer:
         self.stops = StopVote(self.preemption, self.checkpointer, self.device, t.stop_at_step,
                               t.steps)
 
-    def _read_batch(self, index: int) -> list[Batch]:
+    def _read_batch(self, index: int) -> tuple[list[Batch], Optional[tuple[int, int]]]:
+        """This rank's micro-batches of step `index`, and (supervised, real) tokens of the
+        step where the data counts them: the global batch's (packed windows), or this rank's
+        share (a stream)."""
         t, d = self.cfg.train, self.denv
-        return train_batch(self.train_set, index, t.micro_batch_size, self.layout.grad_accum,
-                           d.rank, d.world_size, t.seed)
+        if self.cfg.data.streaming:
+            return self.train_set.read(index)
+        return (train_batch(self.train_set, index, t.micro_batch_size, self.layout.grad_accum,
+                            d.rank, d.world_size, t.seed),
+                step_counts(self.train_set, index, self.layout.global_batch_size, t.seed))
+
+    def _global_counts(self, counts: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        """A stream's per-rank counts summed over the ranks (one small all-reduce)."""
+        if not self.cfg.data.streaming or not dist.is_initialized():
+            return counts
+        total = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        dist.all_reduce(total)
+        return int(total[0]), int(total[1])
 
     def _loss_for(self, batch_index: int) -> LossFn:
         """The task's loss, or a fault injected for tests and drills (faults.inject_*)."""
@@ -180,12 +194,6 @@ class Trainer:
         return injected_loss(self.task.loss, batch_index, f.inject_nan_at, f.inject_spike_at,
                              f.inject_hang_at, 2.0 * t.dist_timeout_s, self.denv.rank,
                              self.denv.world_size, f.inject_slow_at, f.inject_slow_s)
-
-    def _counts(self, batch_index: int) -> Optional[tuple[int, int]]:
-        """(supervised targets, real tokens) of the step's global batch, when the data counts
-        them (packed documents): the loss normaliser and what throughput counts."""
-        return step_counts(self.train_set, batch_index, self.layout.global_batch_size,
-                           self.cfg.train.seed)
 
     def _timed_out(self, text: str) -> None:
         self.alerts.fire("collective_timeout", self.progress.step + 1, text, "ERROR",
@@ -210,14 +218,15 @@ class Trainer:
         while self.progress.step < self.cfg.train.steps:
             step, index = self.progress.step + 1, self.progress.batch_index
             started = time.perf_counter()  # the step's time includes reading its batch
-            micro_batches = _to(self.batches.get(index), self.device)
+            batch, counts = self.batches.get(index)  # counts: packed documents' token counts
+            micro_batches = _to(batch, self.device)
             data_wait_s = time.perf_counter() - started  # ~0 when the batch was read ahead
             loss_fn = self._loss_for(index)  # faults.inject_*: a drill may slow or spoil it
-            counts = self._counts(index)  # packed documents: (supervised, real) tokens, or None
             lr = self.scheduler.get_last_lr()[0]
             with self.collectives(f"step {step} (forward, backward, gradient reduction)"), \
                     self.steplog.count_live_bytes(step, self.model, self.optimizer,
                                                   micro_batches, index):
+                counts = self._global_counts(counts)
                 loss, grad_norm, verdict = train_step(
                     self.model, self.optimizer, self.scheduler, micro_batches,
                     self.cfg.optim.grad_clip, self.meter, self.built.offloader, self.guard,

@@ -76,15 +76,17 @@ def task_for(model: ModelConfig, data: DataConfig) -> Task:
 
 
 def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, seed: int,
-                        preparer: bool = True):
+                        preparer: bool = True, share: tuple[int, int, int, int] = (0, 1, 1, 1)):
     """(train, val) datasets for the task: token windows, packed documents, or labelled images.
-    preparer: this process tokenizes documents not cached yet (one per node); others wait."""
+    preparer: this process tokenizes documents not cached yet (one per node); others wait.
+    share: (rank, world, micro-batch, accumulation), what a streamed corpus needs."""
     if data.source in DOCUMENT_SOURCES:
         from trainer.data.documents import text_datasets
         from trainer.data.sources import document_settings
 
         return text_datasets(data.path, data.val_path, data.tokenizer or model.path,
-                             document_settings(data), data.cache_dir, vocab_size, preparer)
+                             document_settings(data), data.cache_dir, vocab_size, preparer,
+                             share if data.streaming else None)
     if data.source in IMAGE_SOURCES:
         from trainer.data.images import image_datasets
 

@@ -124,6 +124,8 @@ def _check_documents(d: DataConfig, m) -> None:
             f"must be in (0, 1) when data.val_path is not set, got {d.val_fraction}")
     if d.cache_dir is not None:
         check_writable(d.cache_dir, "data.cache_dir")
+    require(not d.streaming or d.val_path is not None, "data.val_path",
+            "data.streaming=true reads validation from its own file: set data.val_path")
 
 
 def _check_images(cfg: Config) -> None:

@@ -67,13 +67,21 @@ def default_cache_dir() -> str:
 
 def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[str],
                   settings: DocSettings, cache_dir: Optional[str], vocab_size: int,
-                  preparer: bool) -> tuple[PackedWindows, PackedWindows]:
+                  preparer: bool, stream: Optional[tuple[int, int, int, int]] = None):
     """(train, validation) windows, prepared here (or by this node's preparer) when not
-    cached yet."""
+    cached yet. stream: (rank, world, micro-batch, accumulation) of a streamed training corpus
+    (trainer/data/stream.py); its validation documents (`val_path`) are prepared as above."""
     tokenizer = load_tokenizer(tokenizer_name, settings.kind)
     if len(tokenizer) > vocab_size:
         raise DataError(f"model.vocab_size: the tokenizer {tokenizer_name} has {len(tokenizer)} "
                         f"ids, more than the model's {vocab_size}")
+    if stream is not None:
+        from trainer.data.stream import StreamWindows
+
+        # Validation is the whole of data.val_path, prepared (and cached) as usual.
+        _, val = text_datasets(val_path, val_path, tokenizer_name, settings, cache_dir,
+                               vocab_size, preparer)
+        return StreamWindows(path, tokenizer, settings, *stream), val
     folder = os.path.join(cache_dir or default_cache_dir(),
                           cache_key(path, val_path, tokenizer, settings))
     if not os.path.exists(os.path.join(folder, "meta.json")):

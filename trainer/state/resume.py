@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.validate import Layout
 from trainer.state.checkpoint import Checkpointer, Loaded
 from trainer.state.ownership import RUN_ID_FILE
@@ -69,8 +69,9 @@ def resume(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.
     loaded = checkpointer.load_latest(model, optimizer, refuse_if_all_damaged=True)
     if loaded is None:
         return None
-    progress = _restore(loaded, scheduler)
     state = loaded.state
+    _check_stream_share(state, layout, cfg)
+    progress = _restore(loaded, scheduler)
     notes = [f"resumed from {loaded.path} (step {progress.step}, batch {progress.batch_index})"]
     if not loaded.rng_restored:
         # Deterministic, but not what an uninterrupted run would have drawn.
@@ -90,6 +91,18 @@ def resume(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.
         notes.append("config changed since the save: " + ", ".join(
             f"{k}={saved.get(k)!r}->{now.get(k)!r}" for k in changed))
     return progress, "; ".join(notes)
+
+
+def _check_stream_share(state: dict, layout: Layout, cfg: Config) -> None:
+    """A streamed corpus is split between the ranks by record: another world size or global
+    batch would hand each rank other records, so the run could not continue where it stood."""
+    saved = (state["world_size"], state["global_batch_size"])
+    if cfg.data.streaming and saved != (layout.world_size, layout.global_batch_size):
+        raise ConfigError("data.streaming", f"this run streams its data and was saved by "
+                          f"{saved[0]} ranks with a global batch of {saved[1]}; a stream resumes "
+                          f"only on the same (now {layout.world_size} ranks, "
+                          f"{layout.global_batch_size}): start it on {saved[0]} ranks, or "
+                          "prepare the data once (data.streaming=false) to resume anywhere")
 
 
 def rollback(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer,

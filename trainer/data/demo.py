@@ -1,10 +1,12 @@
-"""Local text and chat data for the tests: a small byte-level BPE tokenizer with a ChatML
-template (built here with `tokenizers`, no download), and jsonl / parquet records."""
+"""Local text and chat data for demos, benchmarks and tests: a small byte-level BPE tokenizer
+with a ChatML template (built here with `tokenizers`, no download), generated records, and
+jsonl / parquet writers."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
           "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -14,7 +16,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
          "jovial zebras and packing boxes of liquor jugs").split()
 
 
-def make_tokenizer(folder: Path, vocab_size: int = 300, template: str | None = CHATML) -> Path:
+def make_tokenizer(folder: Path, vocab_size: int = 300, template: Optional[str] = CHATML) -> Path:
     """A byte-level BPE tokenizer folder AutoTokenizer loads; eos is <|im_end|> (ChatML)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
