@@ -7,8 +7,9 @@ sharding are applied; buffers (rotary tables) are computed for real at construct
 after materialisation. Pretrained weights are read one tensor at a time from the safetensors
 files (memory-mapped) and each rank keeps only its shard: no rank ever holds the full model.
 
-The wrapper makes the trainer's contract: `model(tokens) -> logits`; `init_param(name, full,
-generator)` fills one parameter (random, or from the checkpoint); `reset_buffers()`.
+The wrapper makes the trainer's contract: `model(tokens, positions=None) -> logits`;
+`init_param(name, full, generator)` fills one parameter (random, or from the checkpoint);
+`reset_buffers()`.
 """
 
 from __future__ import annotations
@@ -99,15 +100,22 @@ class HFWrapper(BufferKeeper):
 
 class HFCausalLM(HFWrapper):
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. `positions` ([B, T] integers, restarting at 0 per document)
+        makes a packed batch: HF reads documents from `position_ids` when no attention mask is
+        given (masking_utils.find_packed_sequence_indices) and keeps attention inside each."""
+        # Without positions the call is exactly the unpacked one (HF makes its own arange).
+        extra = {} if positions is None else {"position_ids": positions}
         if tokens.device.type == "meta":
             # HF decides mask shortcuts from tensor values, which meta tensors do not have;
-            # fake tensors it recognises as tracing (shapes only, like meta).
+            # fake tensors it recognises as tracing (shapes only, like meta). Packed or not,
+            # the trace takes the causal path: shapes only, no document mask.
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             with FakeTensorMode(allow_non_fake_inputs=True), _masks_as_in_training():
-                return self.hf(input_ids=tokens, use_cache=False).logits
-        return self.hf(input_ids=tokens, use_cache=False).logits
+                return self.hf(input_ids=tokens, use_cache=False, **extra).logits
+        return self.hf(input_ids=tokens, use_cache=False, **extra).logits
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 N + 12 L d T, with N the non-embedding parameters counting the output head (a tied

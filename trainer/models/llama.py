@@ -5,9 +5,9 @@ outside without touching this file:
 
 * it holds no buffers, so it can be built on the meta device and materialised
   with ``to_empty`` without any re-initialisation step other than parameters;
-* every block is called as ``block(hidden, rope)`` with exactly two positional
-  arguments, so per-block wrappers (sharding, recompute, offload) see a uniform
-  signature;
+* every block is called as ``block(hidden, rope)``, or ``block(hidden, rope, mask)``
+  for packed sequences, with positional arguments only, so per-block wrappers
+  (sharding, recompute, offload) see a uniform signature;
 * parameter initialisation is defined on the full, unsharded tensor of each
   parameter with its own seeded generator, so every sharding layout and world
   size produces the same numbers.
@@ -26,6 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.packing import (DocumentMask, check_positions, choose_backend,
+                                    document_mask, masked_attention)
+
+IGNORE_INDEX = -100  # targets with this value (prompt tokens, padding) carry no loss
+
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -42,6 +47,9 @@ class LlamaArgs:
     rope_theta: float = 10000.0
     dropout: float = 0.0
     tie_embeddings: bool = False
+    # Packed batches only: "auto" (FlexAttention on CUDA, an SDPA boolean mask elsewhere),
+    # "sdpa" or "flex"; see trainer/models/packing.py.
+    packed_attention: str = "auto"
 
     def __post_init__(self) -> None:
         # Fail at config time rather than with an opaque view()/reshape error mid-forward.
@@ -67,11 +75,27 @@ def rope_cos_sin(head_dim: int, seq_len: int, theta: float, device: torch.device
     Built per forward instead of kept as buffers: the cost is negligible next to
     one matmul, and it leaves nothing to re-create after meta-device construction.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, inv_freq)
+    angles = torch.outer(positions, _inv_freq(head_dim, theta, device))
     return torch.cos(angles), torch.sin(angles)
+
+
+def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
+    """Rotary tables for given token positions ([B, T] integers): ``(cos, sin)``, each float32
+    of shape ``[B, T, head_dim // 2]``; at positions 0..T-1 the same numbers as rope_cos_sin.
+
+    Computed from the positions rather than gathered from a table, so a document continued
+    past ``max_seq_len`` from an earlier window needs no larger table.
+    """
+    inv_freq = _inv_freq(head_dim, theta, positions.device)
+    # The same single fp32 product per element as torch.outer in rope_cos_sin.
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    return torch.cos(angles), torch.sin(angles)
+
+
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (theta**exponents)
 
 
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -84,8 +108,11 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """
     cos, sin = rope
     seq_len = x.shape[1]
-    cos = cos[:seq_len].view(1, seq_len, 1, -1)
-    sin = sin[:seq_len].view(1, seq_len, 1, -1)
+    if cos.dim() == 3:  # per token ([B, T, head_dim // 2], packed): broadcast over heads
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    else:
+        cos = cos[:seq_len].view(1, seq_len, 1, -1)
+        sin = sin[:seq_len].view(1, seq_len, 1, -1)
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
@@ -117,7 +144,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope,
+                mask: DocumentMask | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
@@ -127,12 +155,13 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # enable_gqa maps query head h to kv head h // (n_heads // n_kv_heads), the same
         # grouping as repeat_interleave, without materialising the repeated kv tensors.
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        dropout_p = self.dropout if self.training else 0.0
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                                 enable_gqa=gqa)
+        else:
+            out = masked_attention(q, k, v, mask, dropout_p, gqa)
         out = out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim)
         return self.wo(out)
 
@@ -151,7 +180,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block, called as ``block(hidden, rope)``."""
+    """Pre-norm transformer block, called as ``block(hidden, rope)`` or, packed,
+    ``block(hidden, rope, mask)``."""
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -161,8 +191,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
         self.residual_dropout = nn.Dropout(args.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        h = x + self.residual_dropout(self.attention(self.attention_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: Rope,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.residual_dropout(self.attention(self.attention_norm(x), rope, mask))
         return h + self.residual_dropout(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -197,7 +228,11 @@ class Llama(nn.Module):
         self.tie_weights()
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``. ``positions`` ([B, T] integers) marks packed documents:
+        rotary angles follow them and attention stays inside each document (a position that
+        is not the previous one + 1 starts a document). ``None``: one sequence per row."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
         seq_len = tokens.shape[1]
@@ -207,9 +242,18 @@ class Llama(nn.Module):
                 f"{self.args.max_seq_len}; lower data.seq_len or raise max_seq_len"
             )
         hidden = self.tok_embeddings(tokens)
-        rope = rope_cos_sin(self.args.head_dim, seq_len, self.args.rope_theta, tokens.device)
+        if positions is None:
+            rope = rope_cos_sin(self.args.head_dim, seq_len, self.args.rope_theta, tokens.device)
+            masked: tuple = ()  # blocks are called with (hidden, rope), as before packing
+        else:
+            check_positions(tokens, positions)
+            rope = rope_at(positions, self.args.head_dim, self.args.rope_theta)
+            backend = choose_backend(self.args.packed_attention, tokens.device,
+                                     self.training and self.args.dropout > 0)
+            # Built once and shared: it is O(B * T * T) (sdpa) or a compiled pass (flex).
+            masked = (document_mask(positions, backend),)
         for block in self.layers:
-            hidden = block(hidden, rope)
+            hidden = block(hidden, rope, *masked)
         return self.output(self.norm(hidden))
 
     def param_init_std(self, name: str) -> float | None:
@@ -282,19 +326,27 @@ def _init_rule(args: LlamaArgs, name: str) -> tuple[tuple[int, ...], float | Non
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of [B, T, vocab] logits, computed in fp32 whatever their dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Cross entropy of [B, T, vocab] logits, computed in fp32 whatever their dtype: the mean
+    over the targets that are not IGNORE_INDEX (NaN when every target is ignored)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                           ignore_index=IGNORE_INDEX)
 
 
 def next_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross entropy summed over the targets that are not ignored (-100), in fp32: packed
     documents, where the step divides by the global batch's count of such targets."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy of the model's logits for `inputs`."""
-    return next_token_loss(model(inputs), targets)
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross entropy of the model's logits for `inputs` (packed when `positions`
+    is given; see Llama.forward)."""
+    # Without positions the call stays model(inputs): wrappers and models that take no
+    # positions keep working.
+    logits = model(inputs) if positions is None else model(inputs, positions=positions)
+    return next_token_loss(logits, targets)
 
 
 def build_llama(args: LlamaArgs, device: torch.device | str = "meta") -> Llama:
