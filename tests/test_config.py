@@ -47,6 +47,9 @@ def test_every_yaml_composes_and_validates(group: str, tmp_path) -> None:
                           f"data.val_path={tmp_path / 'val'}"]
         if (group, option) == ("data", "synthetic_images"):
             overrides.append("model=vit_tiny")
+        if (group, option) in (("data", "text"), ("data", "chat")):  # documents, a tokenizer
+            overrides += [f"data.path={tmp_path / 'docs.jsonl'}", f"data.tokenizer={tmp_path}",
+                          "data.seq_len=256"]
         if (group, option) == ("model", "hf"):  # needs a model: one built from a config
             overrides.append("model.hf_config={model_type: llama, num_hidden_layers: 2}")
         if (group, option) == ("model", "hf_vision"):
@@ -86,6 +89,9 @@ def test_config_keys_are_frozen() -> None:
         "model.num_classes", "model.checkpoint_path", "model.timm_args",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
         "data.max_corpus_bytes", "data.workers", "data.augment", "data.skip_bad_images",
+        "data.path", "data.split", "data.tokenizer", "data.text_field", "data.messages_field",
+        "data.prompt_field", "data.completion_field", "data.train_on", "data.packing",
+        "data.overlong", "data.val_fraction", "data.cache_dir", "data.streaming",
         "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",
         "optim.beta1", "optim.beta2", "optim.eps", "optim.grad_clip",
         "train.steps", "train.seed", "train.micro_batch_size", "train.grad_accum",

@@ -37,7 +37,7 @@ class Task:
              positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
             return self.criterion(model(inputs), targets)
-        return self.criterion(model(inputs, positions), targets)
+        return self.criterion(model(inputs, positions=positions), targets)
 
     def example(self, micro_batch_size: int, device: torch.device | str = "meta") -> Batch:
         """A micro-batch of the right shapes and dtypes (zeros; on meta for tracing)."""
@@ -54,7 +54,7 @@ class Task:
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss, fraction of correct top-1 predictions) of one batch; for a summed loss,
         (loss summed over the supervised targets, their count)."""
-        logits = model(inputs) if positions is None else model(inputs, positions)
+        logits = model(inputs) if positions is None else model(inputs, positions=positions)
         if self.summed:
             return self.criterion(logits, targets), (targets != IGNORE_INDEX).sum().float()
         correct = (logits.argmax(dim=-1) == targets).float().mean()
