@@ -8,7 +8,7 @@
 
 Stages, in order, each in its own process with its own time cap, so a failing or overrunning
 stage is recorded and the next one still runs: `env`, `cuda_tests`, `parity` (every recompute
-policy x offload none/cpu against `none`), `fit` (the largest micro-batch under `full`, from the
+policy x offload none/cpu against `none`, and selective in bf16 against `none` in bf16), `fit` (the largest micro-batch under `full`, from the
 memory model), `bench` (llama_1b in bf16 through the real trainer, and as the plain-PyTorch
 launch/gpu_reference.py), `torchtitan` and `predict` (the report's peak per row against the
 measured high-water mark); README's "GPU check" has the details. A GPU session has ~15 minutes
