@@ -34,8 +34,9 @@ POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget", "compiler"
 
 # Ops whose outputs selective checkpointing keeps by default (aten names, resolved to ops in
 # checkpointing/wrap.py): matmuls and attention, the work that is expensive to redo. Everything
-# else (norms, activations, rotary, dropout) is recomputed. Here, without torch, so the config
-# schema (trainer/config.py) can use the same list.
+# else (norms, activations, rotary, dropout) is recomputed, and so is a listed op whenever a
+# call of it draws random numbers (attention with dropout on: see wrap.keeps). Here, without
+# torch, so the config schema (trainer/config.py) can use the same list.
 DEFAULT_SAVE_OPS = (
     "mm", "addmm", "bmm", "baddbmm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",

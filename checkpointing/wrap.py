@@ -15,7 +15,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -33,6 +34,43 @@ def resolve_ops(names: Sequence[str]) -> list:
                              "(e.g. mm, addmm, bmm, _scaled_dot_product_flash_attention)")
         ops.extend(getattr(packet, overload) for overload in packet.overloads())
     return ops
+
+
+@functools.lru_cache(maxsize=None)
+def _dropout_index(op) -> Optional[int]:
+    """Position of the op's `dropout_p` argument (the fused attention kernels have one)."""
+    names = [a.name for a in op._schema.arguments]
+    return names.index("dropout_p") if "dropout_p" in names else None
+
+
+def draws_random(op, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of `op` draws from the random number generator: every op tagged
+    nondeterministic_seeded does, except a fused attention kernel called with dropout_p=0."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    index = _dropout_index(op)
+    if index is None:
+        return True
+    value = kwargs.get("dropout_p", args[index] if index < len(args) else 0.0)
+    return value > 0
+
+
+def keeps(op, save_ops: frozenset, args: tuple, kwargs: dict) -> bool:
+    """Whether selective checkpointing keeps this call's output.
+
+    Not when the call draws random numbers (attention with dropout on): a kept op is skipped
+    during recompute, so the generator is not advanced as it was in forward and every later
+    dropout mask of the block comes out shifted, giving wrong gradients without an error. On
+    CUDA the fused attention kernels draw their mask inside the op; recomputing it instead
+    costs one attention forward per block."""
+    return op in save_ops and not draws_random(op, args, kwargs)
+
+
+def _save_policy(save_ops: frozenset):
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if keeps(op, save_ops, args, kwargs)
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+    return policy
 
 
 # torch 2.14 asks selective checkpointing to choose whether the tensors it keeps pass through
@@ -60,14 +98,14 @@ class _ReportSaved(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.save_ops:
+        if keeps(func, self.save_ops, args, kwargs or {}):
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
                 self.meter.add(tensor)
         return out
 
 
-def _selective_contexts(save_ops: list, meter: Optional[SavedBytesMeter]):
-    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(save_ops)
+def _selective_contexts(save_ops: frozenset, meter: Optional[SavedBytesMeter]):
+    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_save_policy(save_ops))
     if meter is None or not meter.active:
         return forward_ctx, recompute_ctx
     # checkpoint() tells SAC's own mode its hooks choice; wrapped in our stack, it cannot.
@@ -75,7 +113,7 @@ def _selective_contexts(save_ops: list, meter: Optional[SavedBytesMeter]):
         setattr(forward_ctx, attr, value)
     stack = contextlib.ExitStack()
     stack.enter_context(forward_ctx)
-    stack.enter_context(_ReportSaved(frozenset(save_ops), meter))
+    stack.enter_context(_ReportSaved(save_ops, meter))
     return stack, recompute_ctx
 
 
@@ -91,7 +129,7 @@ def checkpoint_block(block: nn.Module, recompute: str, save_ops: Sequence = (),
         raise RuntimeError(f"block already checkpointed ({block._blocktrain_recompute})")
     context_fn = None
     if recompute == "selective":
-        context_fn = functools.partial(_selective_contexts, list(save_ops), meter)
+        context_fn = functools.partial(_selective_contexts, frozenset(save_ops), meter)
     elif recompute != "full":
         raise ValueError(f"unknown recompute option {recompute!r}")
     original = block.forward

@@ -2,14 +2,18 @@
 
     python -m launch.gpu_check --fetch-wheels .whl           # here, with package access
     python3 -m launch.gpu_check --wheels .whl --out OUT      # on the GPU host, offline
+    python3 -m launch.gpu_check --wheels .whl --out OUT2 --resume OUT/gpu_check.json \
+        --stages bench,predict --budget-s S                  # a second call: the rows left
     python -m launch.gpu_check --cpu-smoke --out OUT         # the same stages, tiny, on CPU
 
 Stages, in order, each in its own process with its own time cap, so a failing or overrunning
 stage is recorded and the next one still runs: `env`, `cuda_tests`, `parity` (every recompute
-policy x offload none/cpu against `none`), `fit` (the largest micro-batch under `full`, from the
+policy x offload none/cpu against `none`, and selective in bf16 against `none` in bf16), `fit` (the largest micro-batch under `full`, from the
 memory model), `bench` (llama_1b in bf16 through the real trainer, and as the plain-PyTorch
 launch/gpu_reference.py), `torchtitan` and `predict` (the report's peak per row against the
-measured high-water mark); README's "GPU check" has the details. Results go to
+measured high-water mark); README's "GPU check" has the details. A GPU session has ~15 minutes
+of device time and one call may run 10 minutes: the default budget ends the first call inside
+that, and `--resume` measures in a second call what the first had no time for. Results go to
 OUT/gpu_check.json after every stage and OUT/gpu_check.md at the end. Standard library only: a
 broken torch or a missing package is a failed stage, not a traceback before anything ran.
 """
@@ -28,9 +32,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from launch import gpu_table, wheels
+from launch.cluster_env import DEFAULTS as CLUSTER_DEFAULTS
+from launch.gpu_bench import ROWS, common_overrides, stage_bench, tail
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2 ** 30
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Mode:
     caps: dict  # stage -> seconds
     row_cap: int  # seconds per benchmark row
     extra: list[str] = field(default_factory=list)  # overrides for every benchmark row
+    row_min_s: int = 0  # a benchmark row is not started with less of the budget left
 
     @property
     def reference_shape(self) -> list[str]:
@@ -60,11 +68,15 @@ LLAMA_1B = ["model=llama_1b"]  # gpu_reference.py's defaults are these shapes
 TINY = ["model=tiny", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_hidden=128", "model.vocab_size=256"]
 
-# Planned on an H200 at ~7 minutes in all: ~1.5 s per llama_1b step at 16 x 4096 tokens, ~15 s
-# of start-up per trainer process, ~60 s of compile for the compiled row.
+# Planned on an H200: ~1.5 s per llama_1b step at 16 x 4096 tokens, ~15 s of start-up per
+# trainer process (so ~25-45 s a row), ~60 s of compile for a compiled row; env, CUDA tests,
+# parity and fit ~150 s. The bench cap is the whole default budget: the budget binds, not it.
 GPU = Mode("cuda", LLAMA_1B, "4096,2048", steps=6, warmup=2, parity_seq=256,
-           caps={"env": 60, "cuda_tests": 150, "parity": 120, "fit": 90, "bench": 360,
-                 "torchtitan": 30, "predict": 60}, row_cap=90)
+           caps={"env": 60, "cuda_tests": 150, "parity": 150, "fit": 90, "bench": 560,
+                 "torchtitan": 30, "predict": 60}, row_cap=90, row_min_s=30)
+# One device call may run 600 s: the check's own budget, wheels and start-up included, leaves
+# 40 s for the interpreter's exit and the files' return.
+GPU_BUDGET_S = 560.0
 # On CPU the compile row uses aot_eager: inductor's C++ build costs ~30 s here and is covered by
 # the test suite; the smoke run is about the stages, not the compiler. Its caps stop a runaway:
 # ~80 s in all on an idle 2-core machine, but the test suite runs it beside other tests.
@@ -73,40 +85,21 @@ CPU_SMOKE = Mode("cpu", TINY, "64", steps=3, warmup=1, parity_seq=32,
                        "torchtitan": 30, "predict": 120}, row_cap=120,
                  extra=["train.compile_backend=aot_eager"])
 
-# name -> overrides on top of the common ones; "ref:" rows run gpu_reference.py instead. In the
-# order they run: the rows the targets need first, so a spent cap costs the least.
-ROWS = {
-    "selective": ["checkpointing=selective"],
-    "ref:selective": [],
-    "full": ["checkpointing=full"],
-    "ref:full": [],
-    "full + offload=cpu": ["checkpointing=full", "offload=cpu"],
-    "none": ["checkpointing=none"],
-    "budget": ["checkpointing=budget"],
-    # The fastest plan predicted to fit the device less train.memory_reserve_gib (issue 14).
-    "auto": ["checkpointing=auto"],
-    "full + sharding.cpu_offload": ["checkpointing=full", "sharding.cpu_offload=true"],
-    # Compiling is the slowest part (identical blocks share one graph); the compiler's own
-    # placement last, beside ours: only where time is left.
-    "selective + compile": ["checkpointing=selective", "train.compile=true"],
-    "compiler": ["checkpointing=compiler"],
-}
-SLOW_ROWS = {"selective + compile": 2.0, "compiler": 2.0}  # row cap multiplier
-AFTER_BENCH_S = 45  # what torchtitan and predict need of the budget (predict: ~15 s on a GPU host)
-
 
 class Check:
     """Runs stages, keeps every result, writes them after each stage."""
 
     def __init__(self, mode: Mode, out: str, work: str, env: dict,
-                 budget_s: float = float("inf")) -> None:
+                 budget_s: float = float("inf"), previous: Optional[dict] = None) -> None:
         self.mode, self.out, self.work, self.env = mode, out, work, env
         self.deadline = time.monotonic() + budget_s  # no stage starts or runs past it
+        self.previous = previous or {}  # --resume: an earlier call's gpu_check.json
         self.result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "stages": {},
                              "mode": "cpu-smoke" if mode.device == "cpu" else "gpu", "seconds": {}}
         os.makedirs(out, exist_ok=True)
-        for folder in ("parity", "bench"):  # a run directory's metrics.jsonl is appended to
-            shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
+        # A run directory's metrics.jsonl is appended to (bench rows clear their own, so that
+        # --resume keeps the plan.json of the rows it keeps).
+        shutil.rmtree(os.path.join(work, "parity"), ignore_errors=True)
         os.makedirs(work, exist_ok=True)
         self.log = open(os.path.join(out, "gpu_check.log"), "w", buffering=1)
 
@@ -143,6 +136,17 @@ class Check:
         self.save()
         return outcome
 
+    def keep(self, name: str) -> bool:
+        """--resume: take an earlier call's stage if it was ok and is not one that goes on
+        (bench measures the rows still missing; predict covers every row measured so far)."""
+        earlier = self.previous.get("stages", {}).get(name)
+        if name in RESUMED or not (earlier and earlier.get("ok")):
+            return False
+        self.result["stages"][name] = earlier
+        self.result["seconds"][name] = 0.0
+        print(f"[gpu_check] {name}: ok, kept from --resume", flush=True)
+        return True
+
     def save(self) -> None:
         with open(os.path.join(self.out, "gpu_check.json"), "w") as f:
             json.dump(self.result, f, indent=1)
@@ -152,16 +156,12 @@ class Check:
         status, output = self.run([sys.executable, "-m", "launch.gpu_stages", *args], cap, env)
         last = output.strip().splitlines()[-1] if output.strip() else ""
         if status != 0 or not last.startswith("{"):
-            return {"ok": False, "error": f"exit status {status}: {_tail(output)}"}
+            return {"ok": False, "error": f"exit status {status}: {tail(output)}"}
         return json.loads(last)
 
 
 def _text(data) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
-
-
-def _tail(output: str, lines: int = 3) -> str:
-    return " | ".join(line.strip() for line in output.strip().splitlines()[-lines:])
 
 
 def stage_env(check: Check, cap: float) -> dict:
@@ -195,13 +195,18 @@ def stage_cuda_tests(check: Check, cap: float) -> dict:
     files = cuda_test_files()
     status, output = check.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p",
                                 "no:cacheprovider", f"--junitxml={report}", *files], cap)
+    if "No module named pytest" in output:
+        return {"ok": False, "exit_status": status, "error": (
+            "pytest is not installed on this host: run `python -m launch.gpu_check "
+            "--fetch-wheels DIR` where there is package access (it carries pytest, pluggy and "
+            "iniconfig with the other wheels) and pass --wheels DIR here")}
     counts = gpu_table.junit_counts(report) if os.path.exists(report) else {}
     # pytest's status 5 is "no tests ran": every CUDA test skipped on a machine without one.
     ok = status == 0 or (status == 5 and check.mode.device == "cpu")
     if status == 0 and check.mode.device == "cuda" and counts.get("skipped"):
         ok = False  # on a GPU a skipped CUDA test is a test that did not run
     return {"ok": ok and status != 124, "exit_status": status, "files": files, **counts,
-            **({} if ok else {"error": _tail(output, 6)})}
+            **({} if ok else {"error": tail(output, 6)})}
 
 
 def stage_parity(check: Check, cap: float) -> dict:
@@ -209,11 +214,6 @@ def stage_parity(check: Check, cap: float) -> dict:
     return check.json_stage(["parity", "--device", check.mode.device, "--work",
                              os.path.join(check.work, "parity"), "--seq-len",
                              str(check.mode.parity_seq)], cap, env)
-
-
-def common_overrides(mode: Mode) -> list[str]:
-    return [*mode.model, "data=synthetic", "sharding.param_dtype=bfloat16",
-            "sharding.reduce_dtype=float32", f"train.device={mode.device}", *mode.extra]
 
 
 def stage_fit(check: Check, cap: float) -> dict:
@@ -235,76 +235,12 @@ def stage_fit(check: Check, cap: float) -> dict:
     return fit
 
 
-def row_overrides(check: Check, name: str, micro_batch: int, seq_len: int) -> list[str]:
-    m = check.mode
-    # auto: on a GPU it fits the device less train.memory_reserve_gib; the CPU has no default.
-    memory = ([f"train.memory_gib={check.result['stages']['fit']['capacity'] / 2 ** 30:.6f}"]
-              if "checkpointing=auto" in ROWS[name] and m.device == "cpu" else [])
-    return [*common_overrides(m), *ROWS[name], *memory, f"data.seq_len={seq_len}",
-            f"train.micro_batch_size={micro_batch}", f"train.steps={m.steps}", "logging.every=1",
-            "logging.wandb=false", "logging.progress=false", f"train.eval_every={m.steps}",
-            "train.eval_batches=1", "save.at_end=false", "save.every=0", "save.resume=false"]
-
-
-def bench_row(check: Check, name: str, micro_batch: int, seq_len: int, cap: float) -> dict:
-    """One row at this micro-batch; out of memory: once more at half of it."""
-    m = check.mode
-    run_dir = os.path.join(check.work, "bench", name.replace(" ", "").replace(":", "_")
-                           .replace("+", "_").replace("=", "-"))
-    if name.startswith("ref:"):
-        argv = [sys.executable, "-m", "launch.gpu_reference", "--policy", name[4:],
-                "--micro-batch", str(micro_batch), "--seq", str(seq_len), "--steps",
-                str(m.steps), "--warmup", str(m.warmup), "--device", m.device,
-                *m.reference_shape]
-    else:
-        overrides = row_overrides(check, name, micro_batch, seq_len)
-        argv = [sys.executable, "-m", "trainer", *overrides, f"hydra.run.dir={run_dir}"]
-    status, output = check.run(argv, cap)
-    if status != 0 and "out of memory" in output.lower() and micro_batch > 1:
-        row = bench_row(check, name, micro_batch // 2, seq_len, cap)
-        row["note"] = f"out of memory at micro-batch {micro_batch}; halved"
-        return row
-    if status != 0:
-        return {"ok": False, "micro_batch": micro_batch,
-                "error": f"exit status {status}: {_tail(output)}"}
-    if name.startswith("ref:"):
-        measured = gpu_table.reference_figures(json.loads(output.strip().splitlines()[-1]))
-    else:
-        measured = gpu_table.trainer_figures(os.path.join(run_dir, "metrics.jsonl"), m.warmup)
-        measured["overrides"] = overrides
-        measured["plan_json"] = os.path.join(run_dir, "plan.json")
-    return {"ok": True, "micro_batch": micro_batch, "seq_len": seq_len, **measured}
-
-
-def stage_bench(check: Check, cap: float) -> dict:
-    fit = check.result["stages"].get("fit", {})
-    if not fit.get("micro_batch"):
-        return {"ok": False, "error": "no micro-batch from the fit stage"}
-    # The stages after it (torchtitan, predict) keep their share of the check's budget.
-    deadline = min(time.monotonic() + cap, check.deadline - AFTER_BENCH_S)
-    rows = {}
-    for name in ROWS:
-        left = deadline - time.monotonic()
-        if left < 5:
-            rows[name] = {"ok": False, "error": "not run: the bench stage's cap was spent"}
-            continue
-        # A reference row runs at the micro-batch of blocktrain's row for the same policy.
-        micro_batch = fit["row_micro_batch"].get(name.removeprefix("ref:"), fit["micro_batch"])
-        rows[name] = bench_row(check, name, micro_batch, fit["seq_len"],
-                               min(check.mode.row_cap * SLOW_ROWS.get(name, 1.0), left))
-        check.result["stages"]["bench"] = {"rows": rows}  # kept even if a later row hangs
-        check.save()
-    return {"ok": all(r["ok"] for r in rows.values()), "rows": rows,
-            "micro_batch": fit["micro_batch"], "seq_len": fit["seq_len"],
-            "peak_flops_note": "MFU uses the dense bf16 peak of trainer/observe/metrics.py's table"}
-
-
 def stage_torchtitan(check: Check, cap: float) -> dict:
     status, output = check.run([sys.executable, "-c", "import torchtitan, importlib.metadata as m;"
                                 " print(m.version('torchtitan'))"], cap)
     if status != 0:
         return {"ok": True, "ran": False, "reason": gpu_table.TORCHTITAN_NOT_RUN
-                + f" (import torchtitan: {_tail(output, 1)})"}
+                + f" (import torchtitan: {tail(output, 1)})"}
     return {"ok": True, "ran": False, "version": output.strip().splitlines()[-1],
             "reason": "torchtitan imports, but its trainer needs a tokenizer and a dataset that "
                       "its wheel does not carry; no offline configuration of it is prepared"}
@@ -314,6 +250,8 @@ def stage_predict(check: Check, cap: float) -> dict:
     rows = check.result["stages"].get("bench", {}).get("rows", {})
     wanted = [{"name": n, "overrides": r["overrides"], "plan_json": r.get("plan_json")}
               for n, r in rows.items() if r.get("ok") and "overrides" in r]
+    if not wanted and rows and all("skipped" in r for r in rows.values()):
+        return {"ok": True, "skipped": "no benchmark row measured yet (no time for any)"}
     if not wanted:
         return {"ok": False, "error": "no benchmark row to predict"}
     path = os.path.join(check.work, "predict_rows.json")
@@ -328,12 +266,23 @@ def stage_predict(check: Check, cap: float) -> dict:
     return {"ok": all("error" not in p for p in predicted.values()), "rows": comparison}
 
 
+RESUMED = ("bench", "predict")  # stages that go on from an earlier call's results
 STAGES = {"env": stage_env, "cuda_tests": stage_cuda_tests, "parity": stage_parity,
           "fit": stage_fit, "bench": stage_bench, "torchtitan": stage_torchtitan,
           "predict": stage_predict}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def child_env(env: dict) -> dict:
+    """What every stage's process runs with: the allocator settings of real runs (the Slurm
+    script and `launch.cluster_env` export them), so fragmentation, the reserve figure and
+    `auto` are measured as they will be used; a value already set here wins, as there."""
+    out = dict(env)
+    out.setdefault("WANDB_MODE", "disabled")
+    out.setdefault(ALLOC_CONF, CLUSTER_DEFAULTS[ALLOC_CONF][0])
+    return out
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.json/.md")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(),
@@ -348,11 +297,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--site", default="/tmp/blocktrain-gpu-site",
                         help="private folder the --wheels are installed into")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for the whole check; stages get what is left (default: "
-                             "470 on a GPU, so it ends inside 8 minutes; none for --cpu-smoke)")
+                        help=f"seconds for the whole check; stages get what is left (default: "
+                             f"{GPU_BUDGET_S:.0f} on a GPU, inside one 600 s device call; none "
+                             "for --cpu-smoke)")
+    parser.add_argument("--resume", metavar="JSON",
+                        help="an earlier call's gpu_check.json: keep its stages that were ok "
+                             "and its measured rows; bench runs only the rows it skipped")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help="comma-separated subset of " + ",".join(STAGES))
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
     unknown = set(args.stages.split(",")) - set(STAGES)
     if unknown:
         print(f"error: --stages: unknown {', '.join(sorted(unknown))}; choose from "
@@ -365,32 +322,55 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{len(found)} wheels in {args.fetch_wheels}: "
                   + ", ".join(os.path.basename(w) for w in found))
             return 0
+        previous = _load_previous(args.resume) if args.resume else {}
         installed = wheels.install(args.wheels, args.site) if args.wheels else []
     except RuntimeError as exc:  # names the flag and what to do
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # The checkout first on every child's path (no build step); the wheels' folder before it.
-    env = wheels.use(args.site, REPO) if args.wheels else wheels.use(REPO, REPO)
-    env.setdefault("WANDB_MODE", "disabled")
+    env = child_env(wheels.use(args.site, REPO) if args.wheels else wheels.use(REPO, REPO))
     mode = CPU_SMOKE if args.cpu_smoke else GPU
     budget = args.budget_s if args.budget_s is not None else (
-        float("inf") if args.cpu_smoke else 470.0)
-    check = Check(mode, args.out, args.work, env, budget - (time.monotonic() - started))
-    check.result["wheels_installed"] = installed
+        float("inf") if args.cpu_smoke else GPU_BUDGET_S)
+    check = Check(mode, args.out, args.work, env, budget - (time.monotonic() - started),
+                  previous)
+    check.result.update(wheels_installed=installed, resumed_from=args.resume)
+    # An earlier call's other stages stay in the report (fit and env are what bench needs).
+    check.result["stages"].update(previous.get("stages", {}))
+    check.result["seconds"].update({k: 0.0 for k in previous.get("stages", {})})
     for name in args.stages.split(","):
-        check.stage(name, lambda cap, body=STAGES[name]: body(check, cap))
+        if not check.keep(name):
+            check.stage(name, lambda cap, body=STAGES[name]: body(check, cap))
     check.result["total_seconds"] = round(time.monotonic() - started, 1)
     check.result["ok"] = all(s.get("ok") for s in check.result["stages"].values())
     check.save()
+    _report(check, args.out)
+    return 0 if check.result["ok"] else 1
+
+
+def _load_previous(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"--resume {path}: cannot read it ({exc}); give the gpu_check.json "
+                           "an earlier call wrote") from exc
+
+
+def _report(check: Check, out: str) -> None:
     markdown = gpu_table.markdown(check.result)
-    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
         f.write(markdown)
     print(markdown)
-    print(f"[gpu_check] wrote {os.path.join(args.out, 'gpu_check.json')} and gpu_check.md; "
+    print(f"[gpu_check] wrote {os.path.join(out, 'gpu_check.json')} and gpu_check.md; "
           "time per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in
                                          check.result["seconds"].items())
           + f"; total {check.result['total_seconds']:.0f} s")
-    return 0 if check.result["ok"] else 1
+    skipped = check.result["stages"].get("bench", {}).get("skipped")
+    if skipped:
+        print(f"[gpu_check] {len(skipped)} bench rows had no time ({', '.join(skipped)}): "
+              f"measure them in another call with --resume "
+              f"{os.path.join(out, 'gpu_check.json')} --stages bench,predict")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 PARITY_POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
 PARITY_TARGETS = ("none", "cpu")
+PARITY_BF16 = ("selective",)  # also run with bf16 parameters, against `none` in bf16
+BF16 = ["sharding.param_dtype=bfloat16", "sharding.reduce_dtype=float32"]
 GIB = 2 ** 30
 
 
@@ -34,8 +36,10 @@ def env_stage() -> dict:
 
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available(),
-            "torch_api": check()}
-    for name in ("hydra-core", "omegaconf", "transformers", "wandb"):
+            "torch_api": check(),
+            # The allocator the figures are measured under (launch/gpu_check.py sets it).
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    for name in ("hydra-core", "omegaconf", "pytest", "transformers", "wandb"):
         try:
             from importlib import metadata
 
@@ -77,22 +81,46 @@ def parity_overrides(device: str, seq_len: int) -> list[str]:
 
 def parity_stage(device: str, work: str, seq_len: int) -> dict:
     """Every recompute policy x offload none/cpu against `none`, 4 steps; `none` twice first to
-    learn whether this device's kernels repeat bit for bit."""
+    learn whether this device's kernels repeat bit for bit. Then selective in bf16 against a
+    bf16 `none` (also run twice): only there does a GPU's attention take a fused kernel that
+    draws its dropout mask inside the op selective checkpointing keeps (fp32 with grouped
+    heads takes the math path, where dropout is an op of its own)."""
+    import torch
+
     from trainer.distenv import shutdown
 
+    if device == "cuda":
+        # Deterministic kernels where CUDA has them (attention's backward adds with atomics
+        # otherwise): a baseline that repeats bit for bit holds every policy to bitwise.
+        torch.use_deterministic_algorithms(True, warn_only=True)
     base = parity_overrides(device, seq_len)
     runs: dict[str, list[dict]] = {}
-    keys = [("none", "none", "again")] + [(p, t, "") for p in PARITY_POLICIES
-                                           for t in PARITY_TARGETS]
+    keys = ([("none", "none", "again", [])]
+            + [(p, t, "", []) for p in PARITY_POLICIES for t in PARITY_TARGETS]
+            + [(p, "none", tag, BF16) for p, tag in (("none", "bf16"), ("none", "bf16-again"),
+                                                     *((p, "bf16") for p in PARITY_BF16))])
     try:
-        for policy, target, tag in keys:
+        for policy, target, tag, extra in keys:
             name = "-".join(filter(None, (policy, target, tag)))
-            runs[name] = _run_logged([*base, f"checkpointing={policy}", f"offload={target}"],
-                                     os.path.join(work, name))
+            runs[name] = _run_logged([*base, *extra, f"checkpointing={policy}",
+                                      f"offload={target}"], os.path.join(work, name))
     finally:
         shutdown()
-    reference = [m["loss"] for m in runs["none-none"]]
-    repeat = [m["loss"] for m in runs["none-none-again"]]
+    fp32 = _judge({n: r for n, r in runs.items() if "bf16" not in n}, "none-none",
+                  "none-none-again")
+    bf16 = _judge({n: r for n, r in runs.items() if "bf16" in n}, "none-none-bf16",
+                  "none-none-bf16-again")
+    rows = fp32.pop("rows") + bf16.pop("rows")
+    # On a GPU the cpu target must actually have moved something, or the test proves nothing.
+    moved = all(r["offloaded_bytes"] > 0 for r in rows if "-cpu" in r["run"])
+    return {"device": device, **fp32, "bf16": bf16, "rows": rows, "offload_moved": moved,
+            "ok": all(r["ok"] for r in rows) and (moved or device == "cpu")}
+
+
+def _judge(runs: dict[str, list[dict]], reference_name: str, repeat_name: str) -> dict:
+    """Each run's losses against the reference run's, within the reference's own repeat."""
+    reference = [m["loss"] for m in runs[reference_name]]
+    repeat = [m["loss"] for m in runs[repeat_name]]
     deterministic = repeat == reference
     spread = _max_rel(repeat, reference)
     # Where the baseline itself does not repeat bit for bit (atomics in some CUDA backward
@@ -107,11 +135,8 @@ def parity_stage(device: str, work: str, seq_len: int) -> dict:
                      "offloaded_bytes": max((m.get("offloaded_bytes", 0) for m in logged),
                                             default=0),
                      "act_saved_bytes": max(m["act_saved_bytes"] for m in logged)})
-    # On a GPU the cpu target must actually have moved something, or the test proves nothing.
-    moved = all(r["offloaded_bytes"] > 0 for r in rows if "-cpu" in r["run"])
-    return {"device": device, "deterministic_baseline": deterministic, "baseline_spread": spread,
-            "tolerance": tolerance, "rows": rows, "offload_moved": moved,
-            "ok": all(r["ok"] for r in rows) and (moved or device == "cpu")}
+    return {"deterministic_baseline": deterministic, "baseline_spread": spread,
+            "tolerance": tolerance, "rows": rows}
 
 
 def _max_rel(values: Sequence[float], reference: Sequence[float]) -> float:
@@ -146,7 +171,9 @@ def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Se
     evaluator = _evaluator(device)
     found = _largest_fitting(evaluator, overrides, seq_lens, max_micro_batch,
                              capacity * headroom)
-    found.update(capacity=capacity, headroom=headroom, model_dim=_scenario(overrides).cfg.model.dim)
+    model = _scenario(overrides).cfg.model
+    found.update(capacity=capacity, headroom=headroom, model_dim=model.dim,
+                 model_layers=model.n_layers)
     if found["micro_batch"] is None:
         return found
     found["row_micro_batch"], found["row_predicted_peak"] = {}, {}

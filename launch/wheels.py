@@ -18,8 +18,12 @@ from importlib import metadata
 from typing import Mapping, Optional, Sequence
 
 # What the trainer imports that the GPU host lacks (hydra-core pulls in omegaconf, which pulls
-# in antlr4's runtime at exactly 4.9.*). Versions are the ones installed here: tested together.
-HOST_LACKS = ("hydra-core", "omegaconf", "antlr4-python3-runtime")
+# in antlr4's runtime at exactly 4.9.*), and what the check's cuda_tests stage runs the CUDA
+# tests with: pytest, with what it imports (pluggy, iniconfig, and packaging and pygments,
+# which pytest 9 needs newer than a host may have). Versions are the ones installed here:
+# tested together. All pure Python.
+HOST_LACKS = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "pytest", "pluggy",
+              "iniconfig", "packaging", "pygments")
 # antlr4-python3-runtime 4.9.3 is published only as a source archive; it is pure Python, so a
 # wheel built from it here installs anywhere.
 BUILD_FROM_SOURCE = ("antlr4-python3-runtime",)

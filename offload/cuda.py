@@ -3,11 +3,16 @@
 - `PinnedPool`: page-locked host buffers in power-of-two size classes, allocated on first need and
   reused every step after, never more than `max_bytes` in all.
 - `CudaCopier`: copies on side streams, ordered against the compute stream by events.
-- `HoldUntil`: keeps tensors alive, and defers callbacks, until a copy's event has completed.
+- `HoldUntil`: defers callbacks (a pinned buffer's return to its pool) until an event completed.
 
-Memory a copy reads or writes is kept alive by holding a reference until the copy's event has
-completed, never by `record_stream`: a held reference is explicit, and freeing afterwards hands
-the block back to the stream it was allocated on with nothing pending on any other stream.
+Device memory a copy reads or writes is freed in stream order: the copier records the copy's
+stream on it (`record_stream`), so the caller drops its reference at once and the caching
+allocator hands the block out again only once the copy has run. Holding a reference until the
+CPU sees the copy's event done instead kept it allocated for as long as the CPU ran ahead of
+the GPU: at the loss head, most block inputs of an offloaded forward were still allocated, and
+the allocator cannot reclaim a held block under memory pressure, while it waits for a recorded
+one (issue 29, item 4). Host buffers are the pool's, not the allocator's: they are still
+returned to the pool by a callback once the copy's event has completed.
 
 The stores use a copier only through the `Copier` protocol, so their bookkeeping (which buffer is
 free when, what must stay alive until which copy has finished) also runs, and is tested, on
@@ -36,6 +41,8 @@ class Copier(Protocol):
 
     Every method that takes `after` orders the copy after those events (None entries are ignored).
     "Stream" is whatever the copier uses to order work; for CUDA a `torch.cuda.Stream`.
+    A copy's device tensors stay valid until it has run, whenever the caller drops them (CUDA:
+    recorded on the copy's stream; a copier on threads holds them until done).
     """
 
     device: torch.device
@@ -111,23 +118,27 @@ class CudaCopier:
             # Blocking: threads that synchronize on it sleep instead of spinning.
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
+        # Freed in stream order: the allocator reuses their blocks only after this stream's work
+        # queued by the time they are freed, this copy included (see the module's docstring).
+        for tensor in (src, dst):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
         return done
 
 
 class HoldUntil:
-    """Objects kept alive, and callbacks deferred, until an event has completed."""
+    """Callbacks deferred until an event has completed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: list[tuple[Optional[Event], Any, Optional[Callable[[], None]]]] = []
+        self._items: list[tuple[Optional[Event], Callable[[], None]]] = []
 
-    def add(self, event: Optional[Event], payload: Any = None,
-            then: Optional[Callable[[], None]] = None) -> None:
+    def add(self, event: Optional[Event], then: Callable[[], None]) -> None:
         with self._lock:
-            self._items.append((event, payload, then))
+            self._items.append((event, then))
 
     def reap(self) -> None:
-        """Drop what completed copies no longer need; never waits."""
+        """Run the callbacks of completed copies; never waits."""
         with self._lock:
             done, pending = [], []
             for item in self._items:
@@ -136,10 +147,10 @@ class HoldUntil:
         self._finish(done)
 
     def drain(self) -> None:
-        """Wait for every copy, then drop everything."""
+        """Wait for every copy, then run every callback."""
         with self._lock:
             items, self._items = self._items, []
-        for event, _, _ in items:
+        for event, _ in items:
             if event is not None:
                 event.synchronize()
         self._finish(items)
@@ -151,9 +162,8 @@ class HoldUntil:
     @staticmethod
     def _finish(items: list) -> None:
         # Callbacks run outside the lock: they take other locks (the pool's).
-        for _, _, then in items:
-            if then is not None:
-                then()
+        for _, then in items:
+            then()
 
 
 def size_class(nbytes: int) -> int:

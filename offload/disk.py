@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from offload.cuda import (Copier, CudaCopier, Event, HoldUntil, copy_in_staged,
+from offload.cuda import (Copier, CudaCopier, Event, copy_in_staged,
                           copy_out_staged)
 from offload.engine import OffloadError, resolve_device
 from offload.files import (FOLDER_PREFIX, check_writable, cleanup_stale, hold, host_tag,
@@ -97,7 +97,6 @@ class DiskStore:
         self._inflight = self._pending_writes = self._pending_reads = 0
         self._error: Optional[OffloadError] = None
         self._closed = False
-        self._holds = HoldUntil()
         self.bytes_written = self.bytes_read = self.served_before_write = 0
         self.peak_inflight_bytes = 0
         self._writes: queue.Queue = queue.Queue()
@@ -158,7 +157,7 @@ class DiskStore:
             self._release(ticket)
 
     def poll(self) -> None:
-        self._holds.reap()
+        pass  # nothing waits on a copy: the copier frees device buffers in stream order
 
     def backward_started(self) -> None:
         # Forward's offloaded activations have been freed into the heap by now (a bounded
@@ -179,7 +178,6 @@ class DiskStore:
             self._wait(lambda: self._pending_writes == 0 and self._pending_reads == 0,
                        raise_error=False)
             inflight = self._inflight
-        self._holds.drain()
         # The folder can vanish under us (someone cleaned offload.dir): the step has failed
         # already, with that error; do not bury it under another.
         leftovers = os.listdir(self.folder) if os.path.isdir(self.folder) else []
@@ -204,7 +202,6 @@ class DiskStore:
             self._reads.put(None)
             self._writer.join(timeout=60)
             self._reader.join(timeout=60)
-            self._holds.drain()
             shutil.rmtree(self.folder, ignore_errors=True)
             os.close(self._held)
 
@@ -252,10 +249,9 @@ class DiskStore:
             self._cond.notify_all()
 
     def _drop_restored(self, ticket: _DiskTicket) -> None:
-        if ticket.restored is not None:
-            # If only prefetched, the copy to the device may still be writing into it.
-            self._holds.add(ticket.restored_ready, payload=ticket.restored)
-            ticket.restored = None
+        # If only prefetched, the copy to the device may still be writing into it: the copier
+        # frees it in stream order, after that copy.
+        ticket.restored = None
 
     def _delete(self, ticket: _DiskTicket) -> None:
         ticket.on_disk = False

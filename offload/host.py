@@ -82,11 +82,9 @@ class CpuStore:
             self._keep_on_device(ticket, flat)
             return ticket
         ticket.slot = slot
+        # Nothing of `flat` is kept: the copier frees it in stream order, after its copy.
         ticket.copied = self._copier.to_host(flat, slot.buffer[:ticket.nbytes],
                                              after=[self._copier.ready_event()])
-        # Once we drop `flat` its memory may be reused by the compute stream: keep it until the
-        # side stream has read it.
-        self._holds.add(ticket.copied, payload=flat)
         return ticket
 
     def prefetch(self, ticket: _HostTicket) -> None:
@@ -114,11 +112,9 @@ class CpuStore:
             # Never brought back: the device->host copy may still be writing the buffer.
             self._holds.add(ticket.copied, then=functools.partial(self.pool.release, ticket.slot))
             ticket.slot = None
-        if ticket.restored is not None:
-            # Allocated on the consumer's stream: once that stream waited for the copy, dropping
-            # it is ordered; if it was only prefetched, the copy may still be writing into it.
-            self._holds.add(ticket.restored_ready, payload=ticket.restored)
-            ticket.restored = None
+        # Allocated on the consumer's stream, which waited for the copy before using it; if it
+        # was only prefetched, the copier frees it after its copy (stream order) all the same.
+        ticket.restored = None
 
     def poll(self) -> None:
         self._holds.reap()

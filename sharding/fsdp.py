@@ -8,6 +8,7 @@ block's parameters once, not twice.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -47,18 +48,38 @@ def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], plan: Sequence[Blo
     """
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     sharded = [i for i, p in enumerate(plan) if p.shard]
+    # FSDP would cast every floating-point input of a block to param_dtype, the float32 rotary
+    # tables too, which the model keeps in float32 for position precision at long sequences.
+    # A block casts only its hidden state (its first argument); the root still casts the
+    # model's inputs (images), and the blocks' outputs stay in param_dtype as they are.
+    block_policy = replace(mp_policy, cast_forward_inputs=False)
     for i, (block, block_plan) in enumerate(zip(blocks, plan, strict=True)):
         if block_plan.shard:
             # The last block's backward comes first: freeing its parameters after forward would
             # only all-gather them again at once.
-            fully_shard(block, mesh=mesh, mp_policy=mp_policy,
+            fully_shard(block, mesh=mesh, mp_policy=block_policy,
                         reshard_after_forward=reshard_after_forward and i != sharded[-1],
                         offload_policy=offload)
+            if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
+                block.register_forward_pre_hook(_HiddenCast(mp_policy.param_dtype))
     # The root (embeddings, final norm, head) follows the flag: torch 2.13 does reshard it after
     # forward when told to, and keeping it costs its unsharded size at the loss, often the step's
     # peak (measured in tests/test_reshard.py: +8 MiB on an 81 MiB peak), for one all-gather.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                 offload_policy=offload)
+
+
+class _HiddenCast:
+    """Forward pre-hook: the block's first argument (its hidden state) in `dtype`."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point() \
+                and args[0].dtype != self.dtype:
+            return (args[0].to(self.dtype), *args[1:])
+        return None
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
