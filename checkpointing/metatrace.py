@@ -325,17 +325,24 @@ def profile_on_meta(model: nn.Module, block_names: Sequence[str], blocks: Sequen
 
 
 def cast_like_fsdp(model: nn.Module, blocks: Sequence[nn.Module], dtype: torch.dtype) -> list:
-    """Make a meta model compute in `dtype` as FSDP2's MixedPrecisionPolicy(param_dtype) does.
+    """Make a meta model compute in `dtype` as FSDP2's MixedPrecisionPolicy(param_dtype) does
+    under sharding/fsdp.py.
 
-    FSDP2 all-gathers parameters in param_dtype and casts the floating inputs of every sharded
-    module (each block and the root) to it; the meta model gets the same by converting its
-    parameters and adding the same input casts. Returns the hook handles.
+    FSDP2 all-gathers parameters in param_dtype; the root casts the model's floating inputs to
+    it and each block only its hidden state (its first argument: rotary tables stay fp32). The
+    meta model gets the same by converting its parameters and adding the same casts. Returns
+    the hook handles.
     """
     model.to(dtype)
 
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
     def cast_inputs(module, args, kwargs):
-        def cast(x):
-            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         return tree_map(cast, args), tree_map(cast, kwargs)
 
-    return [m.register_forward_pre_hook(cast_inputs, with_kwargs=True) for m in (model, *blocks)]
+    def cast_hidden(module, args, kwargs):
+        return (cast(args[0]), *args[1:]) if args else args, kwargs
+
+    return [model.register_forward_pre_hook(cast_inputs, with_kwargs=True)] + [
+        block.register_forward_pre_hook(cast_hidden, with_kwargs=True) for block in blocks]

@@ -52,11 +52,23 @@ def module_name(path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:`: names for annotations, never run."""
+    return {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+            for inner in ast.walk(node)}
+
+
 def imported_modules(path, known: set[str]) -> set[str]:
-    """The project's modules a file imports (function-local imports too); `from pkg import mod`
-    counts as importing pkg.mod where that is a module."""
+    """The project's modules a file imports at run time (function-local imports too; not those
+    under `if TYPE_CHECKING:`); `from pkg import mod` counts as importing pkg.mod where that is a
+    module."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -131,8 +143,9 @@ def test_the_checks_see_a_circle_and_a_wrong_arrow(tmp_path) -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
     sample = tmp_path / "trainer" / "models" / "x.py"
     sample.parent.mkdir(parents=True)
-    sample.write_text("def f():\n    from trainer import loop\n    import trainer.fit.report\n")
-    known = {"trainer.loop", "trainer.fit.report", "trainer"}
+    sample.write_text("def f():\n    from trainer import loop\n    import trainer.fit.report\n"
+                      "if TYPE_CHECKING:\n    from trainer.cli import check\n")
+    known = {"trainer.loop", "trainer.fit.report", "trainer", "trainer.cli"}
     assert imported_modules(sample, known) == {"trainer", "trainer.loop", "trainer.fit.report"}
 
 

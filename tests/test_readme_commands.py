@@ -18,10 +18,11 @@ from trainer.config import ConfigError
 # Settings that name files on the user's machine (README's /data/pets, data/mine/...): their
 # absence here is no mistake in the command.
 PATH_KEYS = ("data.train_path", "data.val_path", "model.path", "save.dir", "offload.dir",
-             "model.checkpoint_path", "model.name")  # model.name=local-dir:<folder> (timm)
+             "model.checkpoint_path", "model.name",  # model.name=local-dir:<folder> (timm)
+             "data.path", "data.tokenizer")
 TOOLS = {"-m trainer": "trainer", "-m launch.slurm": "slurm", "-m trainer.report": "report"}
 # README and the pages that took over its test catalogue and its history of figures.
-PAGES = ("README.md", "tests/README.md", "checkpointing/BENCHMARKS.md")
+PAGES = ("README.md", "tests/README.md", "checkpointing/BENCHMARKS.md", "launch/README.md")
 
 
 def readme_commands(page: str = "README.md") -> list[tuple[int, str, str | None]]:

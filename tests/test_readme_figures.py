@@ -23,7 +23,7 @@ from trainer import cli
 
 # Placeholders mark a command's shape, not a run of it.
 PLACEHOLDERS = ("...", "<", "[", "ENTITY", "A,B,C", "=G", " N ", " P ", "OUT")
-PAGES = ("README.md", "checkpointing/BENCHMARKS.md", "tests/README.md")
+PAGES = ("README.md", "checkpointing/BENCHMARKS.md", "tests/README.md", "launch/README.md")
 
 
 def quoted_commands(*pages: str) -> list[str]:
