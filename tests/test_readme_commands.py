@@ -22,7 +22,8 @@ PATH_KEYS = ("data.train_path", "data.val_path", "model.path", "save.dir", "offl
              "data.path", "data.tokenizer")
 TOOLS = {"-m trainer": "trainer", "-m launch.slurm": "slurm", "-m trainer.report": "report"}
 # README and the pages that took over its test catalogue and its history of figures.
-PAGES = ("README.md", "tests/README.md", "checkpointing/BENCHMARKS.md", "launch/README.md")
+PAGES = ("README.md", "tests/README.md", "checkpointing/BENCHMARKS.md", "launch/README.md",
+         "trainer/data/BENCHMARKS.md")
 
 
 def readme_commands(page: str = "README.md") -> list[tuple[int, str, str | None]]:

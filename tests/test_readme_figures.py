@@ -23,7 +23,8 @@ from trainer import cli
 
 # Placeholders mark a command's shape, not a run of it.
 PLACEHOLDERS = ("...", "<", "[", "ENTITY", "A,B,C", "=G", " N ", " P ", "OUT")
-PAGES = ("README.md", "checkpointing/BENCHMARKS.md", "tests/README.md", "launch/README.md")
+PAGES = ("README.md", "checkpointing/BENCHMARKS.md", "tests/README.md", "launch/README.md",
+         "trainer/data/BENCHMARKS.md")
 
 
 def quoted_commands(*pages: str) -> list[str]:
@@ -146,6 +147,10 @@ def test_quoted_command_runs(command: str, tmp_path) -> None:
         ran = _run([sys.executable, "-m", "trainer.report", *rest, "--out",
                     str(tmp_path)])
         assert ran.returncode == 0 and "predicted peak" in ran.stdout, ran.stderr[-2000:]
+    elif module == "trainer.data.bench":  # its three parts, on a small corpus
+        ran = _run([sys.executable, "-m", "trainer.data.bench", "--text-mb", "0.2", "--chats",
+                    "200", "--steps", "5", "--out", str(tmp_path)], timeout=600)
+        assert ran.returncode == 0 and "ms/step" in ran.stdout, ran.stderr[-2000:]
     elif module == "checkpointing.bench":
         cli.check(_overrides(rest), {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
                   local_gpus=False)  # its own overrides, as quoted

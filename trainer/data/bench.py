@@ -102,7 +102,8 @@ def main(argv=None) -> None:
     t = bench_tokenize(root, tokenizer, args.text_mb)
     print(f"tokenize {t['mb']:.0f} MB jsonl: {t['documents']:,} documents, {t['tokens']:,} "
           f"tokens in {t['tokenize_s']:.1f} s ({t['docs_per_s']:,.0f} docs/s, "
-          f"{t['tokens_per_s']:,.0f} tokens/s); start {t['first_start_s']:.1f} s, again "
+          f"{t['tokens_per_s']:,.0f} tokens/s); prepared (tokenized, packed, written) in "
+          f"{t['first_start_s']:.1f} s, a second start "
           f"{t['second_start_s']:.2f} s (cached)")
     p = bench_packing(root, tokenizer, args.chats)
     print(f"pack {p['conversations']:,} chats best-fit into {p['windows']:,} windows of 2048: "
