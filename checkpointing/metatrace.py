@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from checkpointing.head import SeeInsideHead
 from checkpointing.profile import OPTIONS, trace_on_meta
 from checkpointing.saved import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
@@ -99,7 +100,7 @@ def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None,
     return 2 * batch * heads * q_len * k_len * head_dim + 2 * batch * heads * q_len * k_len * v_dim
 
 
-class LiveBytes(TorchDispatchMode):
+class _LiveBytes(TorchDispatchMode):
     """Bytes of the storages that ops create while active, and their peak, until each one dies.
 
     A storage counts from the op that allocates it until its last reference goes (a weakref
@@ -143,6 +144,10 @@ class LiveBytes(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.current -= self._sizes.pop(key, 0)
+
+
+class LiveBytes(SeeInsideHead, _LiveBytes):
+    """_LiveBytes that also sees inside the chunked head (one chunk's logits at a time)."""
 
 
 @dataclass(frozen=True)

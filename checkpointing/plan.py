@@ -91,8 +91,31 @@ def with_offload(plan: Sequence[BlockPlan], target: str, keep_last: int) -> list
             if p.index < cut else p for p in plan]
 
 
-def plan_to_json(plan: Sequence[BlockPlan]) -> str:
-    return json.dumps([asdict(p) for p in plan], indent=1)
+def plan_to_json(plan: Sequence[BlockPlan], head: Optional[dict] = None) -> str:
+    """plan.json: a row per block, then (when given) the loss head's row, `{"name": "head",
+    "head": "plain" | "chunked", "chunk_tokens": ...}`, which `checkpointing=file` skips."""
+    return json.dumps([asdict(p) for p in plan] + ([head] if head else []), indent=1)
+
+
+def block_rows(rows: Sequence[dict]) -> list[dict]:
+    """The blocks' rows of a plan.json (without the loss head's)."""
+    return [r for r in rows if "head" not in r]
+
+
+def plan_from_json(text: str) -> list[BlockPlan]:
+    return [BlockPlan(**r) for r in block_rows(json.loads(text))]
+
+
+def head_row(head: str, chunk_tokens: Optional[int]) -> dict:
+    """The loss head's row of the plan (table, plan.json, W&B)."""
+    return {"name": "head", "head": head, "chunk_tokens": chunk_tokens}
+
+
+def head_line(row: dict) -> str:
+    if row["head"] == "chunked":
+        return (f"{'':>5} {'head':<24} chunked: fused linear cross-entropy, {row['chunk_tokens']:,} "
+                "tokens per chunk (never the whole logits)")
+    return f"{'':>5} {'head':<24} plain: logits, then cross-entropy"
 
 
 def plan_rows(plan: Sequence[BlockPlan], profiles: Optional[Sequence] = None) -> list[dict]:

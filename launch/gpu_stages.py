@@ -220,7 +220,7 @@ def predict_stage(device: str, rows: Sequence[dict]) -> dict:
     """The report's predicted peak for each benchmarked configuration, with the plan the
     trainer actually carried out (its plan.json) where there is one: the budget planner's
     choice on the device can differ from the one the report derives from FLOPs."""
-    from checkpointing.plan import BlockPlan
+    from checkpointing.plan import plan_from_json
 
     evaluator = _evaluator(device)
     out = {}
@@ -231,7 +231,7 @@ def predict_stage(device: str, rows: Sequence[dict]) -> dict:
             plan_path = row.get("plan_json")
             if plan_path and os.path.exists(plan_path):
                 with open(plan_path) as f:
-                    plan, source = [BlockPlan(**p) for p in json.load(f)], "trainer plan.json"
+                    plan, source = plan_from_json(f.read()), "trainer plan.json"
             outcome = evaluator.evaluate(scenario, plan)
             est = outcome.estimate
             out[row["name"]] = {"predicted_peak": est.peak.total, "phase": est.peak.name,

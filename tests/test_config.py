@@ -103,6 +103,7 @@ def test_config_keys_are_frozen() -> None:
         "sharding.param_dtype", "sharding.reduce_dtype", "sharding.cpu_offload",
         "checkpointing.policy", "checkpointing.every", "checkpointing.save_ops",
         "checkpointing.budget", "checkpointing.profile_repeats", "checkpointing.plan_file",
+        "checkpointing.head", "checkpointing.head_chunk_tokens", "checkpointing.head_budget_mib",
         "offload.target", "offload.min_bytes", "offload.keep_last", "offload.max_host_bytes",
         "offload.dir", "offload.max_inflight_bytes", "offload.trim_heap",
         "save.every", "save.keep", "save.async_save", "save.at_end", "save.resume", "save.dir",

@@ -179,3 +179,13 @@ def test_freeze_pattern_that_matches_nothing_names_the_setting() -> None:
     with pytest.raises(ConfigError, match=r"model.freeze: 'model.layers.\*' matches no "
                                           r"parameter; names look like hf.model.embed_tokens"):
         build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+
+
+def test_attn_implementation_reaches_the_hf_model() -> None:
+    """model.attn_implementation was once passed into an unused argument: HF ran sdpa always."""
+    from trainer.build import build_on_meta
+
+    for choice in ("eager", "sdpa"):
+        cfg = config("model=hf", "model.hf_config={model_type: llama, num_hidden_layers: 1}",
+                     f"model.attn_implementation={choice}")
+        assert build_on_meta(cfg.model).hf.config._attn_implementation == choice

@@ -37,7 +37,7 @@ from sharding import fsdp
 from sharding.fsdp import DTYPES
 from trainer.config import Config, ConfigError, ModelConfig
 from trainer.models.llama import LlamaArgs, build_llama, flops_per_token
-from trainer.task import task_for
+from trainer.task import head_chunk, task_for
 
 log = logging.getLogger("trainer")
 
@@ -73,7 +73,7 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
     if cfg.arch == "hf":
         from trainer.models.hf import build_hf_on_meta
 
-        return build_hf_on_meta(cfg.hf_config, cfg.path, cfg.attn_implementation)
+        return build_hf_on_meta(cfg.hf_config, cfg.path, attn_implementation=cfg.attn_implementation)
     if cfg.arch == "hf_vision":
         from trainer.models.hf_vision import build_hf_vision_on_meta
 
@@ -205,7 +205,7 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
     payload = [None]
     if denv.rank == 0:
         model, blocks = profiling_model(cfg, model, blocks)
-        task = task_for(cfg.model, cfg.data)
+        task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
         inputs, targets = task.example(cfg.train.micro_batch_size)
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, denv.device, resolve_ops(c.save_ops),
@@ -268,7 +268,7 @@ def with_working_sets(cfg: Config, model: nn.Module, names: Sequence[str],
     from checkpointing.metatrace import profile_on_meta
 
     c = cfg.checkpointing
-    task = task_for(cfg.model, cfg.data)
+    task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, c))
     inputs, targets = task.example(cfg.train.micro_batch_size)
     meta = profile_on_meta(model, names, blocks, lambda m: task.loss(m, inputs, targets),
                            resolve_ops(c.save_ops), list(c.save_ops),

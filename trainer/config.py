@@ -183,6 +183,12 @@ class CheckpointingConfig:
     profile_repeats: int = 3  # timing repeats per option when profiling a block
     # file: the per-block plan of an earlier run (its plan.json), carried out as it is.
     plan_file: Optional[str] = None
+    # The loss head of language models: plain (logits, then cross-entropy) or chunked (one
+    # fused op, checkpointing/head.py: a chunk of tokens' logits at a time, gradients made in
+    # the forward). head_chunk_tokens null: as many tokens as head_budget_mib of fp32 logits hold.
+    head: str = "plain"
+    head_chunk_tokens: Optional[int] = None
+    head_budget_mib: int = 256
 
 
 @dataclass
@@ -277,6 +283,7 @@ CHOICES = {
     "model.arch": ("llama", "hf", "vit", "hf_vision", "timm"),
     "data.source": ("bytes", "tokens", "synthetic", "text", "chat", "images", "synthetic_images"),
     "data.train_on": ("assistant", "last", "all"),
+    "checkpointing.head": ("plain", "chunked"),
     "data.overlong": ("truncate", "drop"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpointing.plan import describe, plan_rows, plan_table, plan_to_json
+from checkpointing.plan import (describe, head_line, head_row, plan_rows, plan_table,
+                                plan_to_json)
 from checkpointing.policies import added_seconds
 from checkpointing.saved import SavedBytesMeter
 from offload.apply import close_offloader, offload_micro_batch
@@ -47,7 +48,7 @@ from trainer.state.checkpoint import Checkpointer, clear_stopped, mark_stopped
 from trainer.state.ownership import own_run_dir
 from trainer.state.resume import Progress, resume, train_state
 from trainer.state.saver import Saver
-from trainer.task import build_task_datasets, task_for
+from trainer.task import build_task_datasets, head_chunk, task_for
 from trainer.validate import Layout
 
 log = logging.getLogger("trainer")
@@ -147,7 +148,7 @@ class Trainer:
         self.model = self.built.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
-        self.task = task_for(cfg.model, cfg.data)
+        self.task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
         self.guard = LossGuard(cfg.faults.skip_nonfinite, cfg.faults.max_bad_steps,
                                cfg.faults.spike_factor, cfg.faults.spike_window)
         self.checkpointer = Checkpointer(_checkpoint_dir(cfg, run_dir), cfg.save.keep,
@@ -300,10 +301,12 @@ class Trainer:
         """The plan (plan.json, a table, W&B), what auto decided, and one line on the run."""
         cfg, denv, built, layout = self.cfg, self.denv, self.built, self.layout
         plan = built.plan
+        head = head_row(cfg.checkpointing.head, self.task.head_chunk)
         if denv.is_main:
             with open(os.path.join(self.run_dir, "plan.json"), "w") as f_plan:
-                f_plan.write(plan_to_json(plan))
-        self.logger.plan(plan_table(plan, built.profiles), plan_rows(plan, built.profiles))
+                f_plan.write(plan_to_json(plan, head))
+        self.logger.plan(plan_table(plan, built.profiles) + "\n" + head_line(head),
+                         plan_rows(plan, built.profiles) + [head])
         d = built.decision
         if d is not None:
             when = "as decided at the first start: " if d.reused else "saved in "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from trainer.config import IMAGE_ARCHS, DataConfig, ModelConfig
+from trainer.config import IMAGE_ARCHS, CheckpointingConfig, DataConfig, ModelConfig
 from trainer.validate import DOCUMENT_SOURCES, IMAGE_SOURCES
 
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default)
@@ -32,9 +32,16 @@ class Task:
     # Packed documents (data=text / chat): the loss is a sum over the supervised targets, which
     # the step divides by the global batch's count (micro-batches hold different numbers).
     summed: bool = False
+    # checkpointing.head=chunked: the model makes its summed loss itself through the fused
+    # chunked head, this many tokens at a time (None: logits, then the criterion).
+    head_chunk: int | None = None
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
              positions: torch.Tensor | None = None) -> torch.Tensor:
+        if self.head_chunk is not None:
+            total = model(inputs, positions=positions, targets=targets,
+                          chunk_tokens=self.head_chunk)
+            return total if self.summed else total / (targets != IGNORE_INDEX).sum().clamp(min=1)
         if positions is None:
             return self.criterion(model(inputs), targets)
         return self.criterion(model(inputs, positions=positions), targets)
@@ -54,6 +61,9 @@ class Task:
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss, fraction of correct top-1 predictions) of one batch; for a summed loss,
         (loss summed over the supervised targets, their count)."""
+        if self.head_chunk is not None:  # no logits: the loss, and the targets it averages
+            loss = self.loss(model, inputs, targets, positions)
+            return loss, (targets != IGNORE_INDEX).sum().float()
         logits = model(inputs) if positions is None else model(inputs, positions=positions)
         if self.summed:
             return self.criterion(logits, targets), (targets != IGNORE_INDEX).sum().float()
@@ -61,7 +71,20 @@ class Task:
         return self.criterion(logits, targets), correct
 
 
-def task_for(model: ModelConfig, data: DataConfig) -> Task:
+def head_chunk(model: ModelConfig, head: CheckpointingConfig) -> int | None:
+    """Tokens per chunk of the fused chunked head (checkpointing.head=chunked), None for the
+    plain head and for image models (whose head is a small classifier)."""
+    if head.head != "chunked" or model.arch in IMAGE_ARCHS:
+        return None
+    if head.head_chunk_tokens is not None:
+        return head.head_chunk_tokens
+    from trainer.models.hf_settings import model_vocab_size
+
+    # As checkpointing/head.py's default_chunk_tokens, without importing torch here.
+    return max(1, head.head_budget_mib * 2**20 // (model_vocab_size(model) * 4))
+
+
+def task_for(model: ModelConfig, data: DataConfig, head_chunk_tokens: int | None = None) -> Task:
     if model.arch in IMAGE_ARCHS:
         from trainer.models.vit import class_loss
 
@@ -71,8 +94,10 @@ def task_for(model: ModelConfig, data: DataConfig) -> Task:
     from trainer.models.llama import next_token_loss, next_token_loss_sum
 
     if data.source in DOCUMENT_SOURCES:
-        return Task("lm", (data.seq_len,), data.seq_len, next_token_loss_sum, summed=True)
-    return Task("lm", (data.seq_len,), data.seq_len, next_token_loss)
+        return Task("lm", (data.seq_len,), data.seq_len, next_token_loss_sum, summed=True,
+                    head_chunk=head_chunk_tokens)
+    return Task("lm", (data.seq_len,), data.seq_len, next_token_loss,
+                head_chunk=head_chunk_tokens)
 
 
 def build_task_datasets(model: ModelConfig, data: DataConfig, vocab_size: int, seed: int,

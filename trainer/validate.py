@@ -293,6 +293,10 @@ def _check_checkpointing(c: CheckpointingConfig, compile_on: bool) -> None:
     require(c.policy != "compiler" or compile_on, "train.compile",
             "checkpointing=compiler leaves recompute to torch.compile's partitioner: set "
             "train.compile=true (or choose checkpointing=budget for the same budget in eager)")
+    require(c.head_chunk_tokens is None or c.head_chunk_tokens > 0, "checkpointing.head_chunk_tokens",
+            f"must be null (from checkpointing.head_budget_mib) or > 0, got {c.head_chunk_tokens}")
+    require(c.head_budget_mib > 0, "checkpointing.head_budget_mib",
+            f"must be > 0 MiB, got {c.head_budget_mib}")
     if c.policy == "selective":
         require(len(c.save_ops) > 0, "checkpointing.save_ops",
                 "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")

@@ -47,6 +47,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
         _blocks(cfg)
         _token_files(cfg)
         _documents(cfg)
+        _head(cfg)
         if layout is not None:
             _memory(cfg, layout, gpus_per_node)
     except ValueError as exc:
@@ -133,6 +134,45 @@ def _token_files(cfg: Config) -> None:
             raise ConfigError(key, f"{path} holds token id {largest}, but model.vocab_size is "
                               f"{vocab} (ids must be < {vocab}); raise model.vocab_size or "
                               "tokenize with the model's tokenizer")
+
+
+# HF config fields that change the logits beyond hidden @ W.T: the fused head cannot apply them.
+LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+def _head(cfg: Config) -> None:
+    """checkpointing.head=chunked: the chunk's fp32 logits fit the budget, and the model's
+    logits are hidden @ W.T (no bias, scale or soft-capping) so the fused head gives them."""
+    c = cfg.checkpointing
+    if c.head != "chunked" or cfg.model.arch not in ("llama", "hf"):
+        return  # image models keep their own (small) head
+    from trainer.models.hf_settings import model_vocab_size
+
+    vocab, budget = model_vocab_size(cfg.model), c.head_budget_mib * 2**20
+    tokens = c.head_chunk_tokens or 1
+    if tokens * vocab * 4 > budget:
+        what = (f"checkpointing.head_chunk_tokens={c.head_chunk_tokens} tokens" if
+                c.head_chunk_tokens else "one token")
+        raise ConfigError("checkpointing.head_budget_mib", f"{what} of a {vocab:,}-word "
+                          f"vocabulary is {tokens * vocab * 4 / 2**20:.1f} MiB of fp32 logits, "
+                          f"over the budget of {c.head_budget_mib} MiB: raise it, or lower "
+                          "checkpointing.head_chunk_tokens")
+    if cfg.model.arch != "hf":
+        return
+    from trainer.build import build_on_meta
+
+    hf = build_on_meta(cfg.model).hf
+    bent = [f for f in LOGIT_FIELDS if getattr(hf.config, f, None) not in (None, 1, 1.0)]
+    if bent:
+        raise ConfigError("checkpointing.head", f"chunked computes logits as hidden @ W.T; this "
+                          f"{hf.config.model_type} model also applies {', '.join(bent)}: "
+                          "use checkpointing.head=plain")
+    head = hf.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None or head.weight.dim() != 2:
+        raise ConfigError("checkpointing.head", "chunked needs the model's output projection "
+                          "(get_output_embeddings(): a Linear without bias); this model has "
+                          f"{type(head).__name__ if head is not None else 'none'}: use "
+                          "checkpointing.head=plain")
 
 
 def _documents(cfg: Config) -> None:

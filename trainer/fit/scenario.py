@@ -24,7 +24,7 @@ from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config
 from trainer.validate import Layout, validate
-from trainer.task import task_for
+from trainer.task import head_chunk, task_for
 
 # Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
 # reached, and one NVMe drive.
@@ -139,7 +139,7 @@ class Evaluator:
         """Meta profile, parameter groups and parameter dtype of a config (cached by shapes)."""
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
-               tuple(cfg.checkpointing.save_ops))
+               tuple(cfg.checkpointing.save_ops), head_chunk(cfg.model, cfg.checkpointing))
         if key not in self._profiles:
             model = build_on_meta(cfg.model)
             names, blocks = find_model_blocks(model, cfg.model.block_pattern)
@@ -147,7 +147,7 @@ class Evaluator:
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
-            task = task_for(cfg.model, cfg.data)
+            task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
             inputs, targets = task.example(cfg.train.micro_batch_size)
             names_ops = list(cfg.checkpointing.save_ops)
             profile = profile_on_meta(model, names, blocks,

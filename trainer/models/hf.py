@@ -100,13 +100,20 @@ class HFWrapper(BufferKeeper):
 
 class HFCausalLM(HFWrapper):
 
-    def forward(self, tokens: torch.Tensor,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                targets: Optional[torch.Tensor] = None,
+                chunk_tokens: Optional[int] = None) -> torch.Tensor:
         """Logits [B, T, vocab]. `positions` ([B, T] integers, restarting at 0 per document)
         makes a packed batch: HF reads documents from `position_ids` when no attention mask is
-        given (masking_utils.find_packed_sequence_indices) and keeps attention inside each."""
+        given (masking_utils.find_packed_sequence_indices) and keeps attention inside each.
+
+        With `targets` and `chunk_tokens` (checkpointing.head=chunked): the summed next-token
+        loss from the decoder's last hidden state and the output projection's weight through
+        the fused chunked head; HF's own logits and loss are never made."""
         # Without positions the call is exactly the unpacked one (HF makes its own arange).
         extra = {} if positions is None else {"position_ids": positions}
+        if targets is not None and chunk_tokens is not None:
+            return self._chunked_loss(tokens, extra, targets, chunk_tokens)
         if tokens.device.type == "meta":
             # HF decides mask shortcuts from tensor values, which meta tensors do not have;
             # fake tensors it recognises as tracing (shapes only, like meta). Packed or not,
@@ -116,6 +123,21 @@ class HFCausalLM(HFWrapper):
             with FakeTensorMode(allow_non_fake_inputs=True), _masks_as_in_training():
                 return self.hf(input_ids=tokens, use_cache=False, **extra).logits
         return self.hf(input_ids=tokens, use_cache=False, **extra).logits
+
+    def _chunked_loss(self, tokens: torch.Tensor, extra: dict, targets: torch.Tensor,
+                      chunk_tokens: int) -> torch.Tensor:
+        from checkpointing.head import chunked_linear_cross_entropy
+
+        decoder, head = self.hf.get_decoder(), self.hf.get_output_embeddings()
+        if tokens.device.type == "meta":  # as for the logits: shapes only, then the head
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True), _masks_as_in_training():
+                hidden = decoder(input_ids=tokens, use_cache=False, **extra).last_hidden_state
+        else:
+            hidden = decoder(input_ids=tokens, use_cache=False, **extra).last_hidden_state
+        return chunked_linear_cross_entropy(hidden, head.weight, targets, chunk_tokens,
+                                            normaliser=1.0)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 N + 12 L d T, with N the non-embedding parameters counting the output head (a tied
@@ -141,7 +163,7 @@ class HFCausalLM(HFWrapper):
             full.fill_(1.0)
 
 
-def build_hf_on_meta(hf_config: Any, path: Optional[str], dropout: Optional[float] = None,
+def build_hf_on_meta(hf_config: Any, path: Optional[str],
                      attn_implementation: str = "sdpa") -> HFCausalLM:
     """The wrapped model with parameters on meta; `path` also makes init_param load weights."""
     from transformers import AutoModelForCausalLM

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from checkpointing.head import chunked_linear_cross_entropy
 from trainer.models.packing import (DocumentMask, check_positions, choose_backend,
                                     document_mask, masked_attention)
+from trainer.models.rope import Rope, apply_rope, rope_at, rope_cos_sin  # noqa: F401 (tests)
 
 IGNORE_INDEX = -100  # targets with this value (prompt tokens, padding) carry no loss
-
-Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -67,56 +67,6 @@ class LlamaArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-def rope_cos_sin(head_dim: int, seq_len: int, theta: float, device: torch.device) -> Rope:
-    """Rotary tables ``(cos, sin)``, each float32 of shape ``[seq_len, head_dim // 2]``.
-
-    Built per forward instead of kept as buffers: the cost is negligible next to
-    one matmul, and it leaves nothing to re-create after meta-device construction.
-    """
-    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, _inv_freq(head_dim, theta, device))
-    return torch.cos(angles), torch.sin(angles)
-
-
-def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
-    """Rotary tables for given token positions ([B, T] integers): ``(cos, sin)``, each float32
-    of shape ``[B, T, head_dim // 2]``; at positions 0..T-1 the same numbers as rope_cos_sin.
-
-    Computed from the positions rather than gathered from a table, so a document continued
-    past ``max_seq_len`` from an earlier window needs no larger table.
-    """
-    inv_freq = _inv_freq(head_dim, theta, positions.device)
-    # The same single fp32 product per element as torch.outer in rope_cos_sin.
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    return torch.cos(angles), torch.sin(angles)
-
-
-def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    return 1.0 / (theta**exponents)
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[B, T, heads, head_dim]`` by position.
-
-    Uses Meta's interleaved convention: feature pairs ``(2i, 2i+1)`` are the real
-    and imaginary parts of one complex number that is multiplied by
-    ``exp(j * pos * freq_i)``. The rotation runs in float32 because bf16 angles
-    lose relative-position precision at long sequence lengths.
-    """
-    cos, sin = rope
-    seq_len = x.shape[1]
-    if cos.dim() == 3:  # per token ([B, T, head_dim // 2], packed): broadcast over heads
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    else:
-        cos = cos[:seq_len].view(1, seq_len, 1, -1)
-        sin = sin[:seq_len].view(1, seq_len, 1, -1)
-    pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -228,11 +178,17 @@ class Llama(nn.Module):
         self.tie_weights()
         return self
 
-    def forward(self, tokens: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None,
+                chunk_tokens: int | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]``. ``positions`` ([B, T] integers) marks packed documents:
         rotary angles follow them and attention stays inside each document (a position that
-        is not the previous one + 1 starts a document). ``None``: one sequence per row."""
+        is not the previous one + 1 starts a document). ``None``: one sequence per row.
+
+        With ``targets`` and ``chunk_tokens`` (checkpointing.head=chunked): the summed
+        next-token loss instead, from the fused chunked head (checkpointing/head.py), which
+        never holds the whole logits. Inside this forward the output weight is whole under
+        FSDP (the root's parameters are gathered once for it), tied or not."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
         seq_len = tokens.shape[1]
@@ -254,6 +210,10 @@ class Llama(nn.Module):
             masked = (document_mask(positions, backend),)
         for block in self.layers:
             hidden = block(hidden, rope, *masked)
+        if targets is not None and chunk_tokens is not None:
+            return chunked_linear_cross_entropy(self.norm(hidden), self.output.weight, targets,
+                                                chunk_tokens, normaliser=1.0,
+                                                ignore_index=IGNORE_INDEX)
         return self.output(self.norm(hidden))
 
     def param_init_std(self, name: str) -> float | None:

@@ -21,8 +21,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from checkpointing.head import SeeInsideHead
 
-class LiveTensorBytes(TorchDispatchMode):
+
+class _LiveTensorBytes(TorchDispatchMode):
     def __init__(self, alive_before: Iterable[torch.Tensor]) -> None:
         super().__init__()
         self._storages: dict[int, weakref.ref] = {}
@@ -54,6 +56,10 @@ class LiveTensorBytes(TorchDispatchMode):
                 self._record(leaf)
         self.peak = max(self.peak, self.current())
         return out
+
+
+class LiveTensorBytes(SeeInsideHead, _LiveTensorBytes):
+    """Also inside the chunked head: its chunk's logits are live memory like any other."""
 
 
 def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

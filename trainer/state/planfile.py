@@ -6,7 +6,7 @@ import json
 from dataclasses import fields
 from typing import Sequence
 
-from checkpointing.plan import BlockPlan
+from checkpointing.plan import BlockPlan, block_rows
 from trainer.config import ConfigError
 
 _ALLOWED = {"recompute": ("none", "full", "selective", "compiler"), "offload": ("none", "inputs", "all"),
@@ -25,6 +25,7 @@ def read_plan(path: str, names: Sequence[str], shard: bool, compiled: bool) -> l
         raise ConfigError(key, f"cannot read {path}: {exc}") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ConfigError(key, f"{path} is not a plan.json (a list of blocks)")
+    rows = block_rows(rows)  # the loss head's row: checkpointing.head decides it
     if [r.get("name") for r in rows] != list(names):
         raise ConfigError(key, f"{path} plans {len(rows)} blocks "
                           f"({', '.join(str(r.get('name')) for r in rows[:3])}, ...) but this "
