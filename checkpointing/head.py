@@ -81,18 +81,22 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ig
     # The big matmul runs in the head's dtype (bf16 on a GPU), as the plain head's does.
     logits = hidden @ weight.T
     # The exponentials and sums in fp32; for an fp32 head this is the same tensor, which is then
-    # overwritten in place below: one [chunk, vocab] buffer instead of three.
+    # overwritten in place below: one [chunk, vocab] buffer where the plain head has three.
     x = logits.to(compute)
     del logits
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0).unsqueeze(1)  # ignored targets index column 0, unused
-    lse = torch.logsumexp(x, dim=1)
-    losses = torch.where(valid, lse - x.gather(1, safe).squeeze(1), 0.0)
+    # The log-sum-exp by hand, in place: torch.logsumexp would make a second [chunk, vocab]
+    # buffer and pass over it three more times; the exponentials are then the softmax's too.
+    x.sub_(x.amax(dim=1, keepdim=True))
+    shifted_target = x.gather(1, safe).squeeze(1)
+    total = x.exp_().sum(dim=1)
+    losses = torch.where(valid, total.log() - shifted_target, 0.0)
     if not need_grad:
         return losses, None
     # d(loss)/d(logits) = (softmax - onehot) / normaliser on supervised rows, 0 on ignored ones.
     row_scale = (valid.to(compute) * inverse).unsqueeze(1)
-    x.sub_(lse.unsqueeze(1)).exp_().mul_(row_scale)
+    x.mul_(row_scale / total.unsqueeze(1))
     # gather + scatter_ rather than scatter_add_: deterministic on CUDA too.
     x.scatter_(1, safe, x.gather(1, safe) - row_scale)
     return losses, x.to(hidden.dtype)
