@@ -1,6 +1,6 @@
 """The chunked, fused linear cross-entropy (checkpointing/head.py) against plain PyTorch: exact in
 float64 for every kind of chunking and mask, independent of the chunk size in fp32, traceable by
-torch.compile, close to fp32 in bf16."""
+torch.compile, close to fp32 in bf16, and far below the plain head's live memory."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpointing.head import chunked_linear_cross_entropy, default_chunk_tokens
+from checkpointing.head import (SeeInsideHead, chunked_linear_cross_entropy,
+                                default_chunk_tokens, main)
+from trainer.observe.livebytes import LiveTensorBytes
 
 IGNORE = -100
 
@@ -155,6 +157,41 @@ def test_compiles_as_one_graph_and_matches_eager(backend: str) -> None:
     assert counter.frame_count == 1  # a new tensor normaliser is an input, not a recompile
 
 
+class _LiveInsideHead(SeeInsideHead, LiveTensorBytes):
+    pass
+
+
+def _peak(loss_fn, hidden, weight, targets) -> int:
+    """Peak live tensor bytes of forward+backward above the inputs, the op's insides seen."""
+    hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
+    with _LiveInsideHead([hidden, weight, targets]) as live:
+        loss_fn(hidden, weight, targets).backward()
+    return live.peak - live.baseline
+
+
+def test_memory_is_far_below_the_plain_head() -> None:
+    tokens, vocab, dim, chunk = 4096, 32000, 256, 512
+    hidden, weight, targets = _data(tokens, vocab, dim, dtype=torch.float32)
+    plain = _peak(lambda h, w, y: F.cross_entropy(F.linear(h, w), y), hidden, weight, targets)
+    chunked = _peak(_chunked(chunk), hidden.detach(), weight.detach(), targets)
+    logits = tokens * vocab * 4
+    grads = (tokens + vocab) * dim * 4
+    assert plain >= 2 * logits  # the measure sees the plain head's logits and their gradient
+    # One chunk's logits (in place in fp32) and the gradients (computed in the forward, scaled
+    # in the backward: twice), with room for small tensors: an eighth of the full logits here.
+    assert chunked <= 1.2 * (chunk * vocab * 4 + 3 * grads), chunked
+    assert chunked < plain / 8, (chunked, plain)
+
+
+def test_the_op_sees_inside_for_the_memory_measure() -> None:
+    """Without SeeInsideHead the custom op is one node and its chunk logits go unseen."""
+    hidden, weight, targets = _data(256, 4000, 16, dtype=torch.float32)
+    with LiveTensorBytes([hidden, weight, targets]) as blind:
+        chunked_linear_cross_entropy(hidden, weight, targets, 256)
+    seen = _peak(_chunked(256), hidden, weight, targets)
+    assert blind.peak - blind.baseline < 256 * 4000 * 4 <= seen
+
+
 def test_default_chunk_from_the_byte_budget() -> None:
     assert default_chunk_tokens(128256) == 523  # 256 MiB / (128256 x 4 bytes)
     assert default_chunk_tokens(32000) == 2097
@@ -185,3 +222,9 @@ def test_leading_dimensions_are_flattened() -> None:
     assert torch.equal(chunked_linear_cross_entropy(hidden.view(4, 10, 12), weight,
                                                     targets.view(4, 10), 7), flat)
 
+
+def test_benchmark_prints_both_heads(capsys) -> None:
+    rows = main(["--tokens", "64", "--vocab", "100,300", "--dim", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert [r["vocab"] for r in rows] == [100, 300] and "chunked peak MiB" in out
+    assert all(r["chunked_s"] > 0 and 0 < r["chunked_peak"] < r["plain_peak"] for r in rows)
