@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers import (QUICK, check_ok, read_metrics, read_wandb_records, run_trainer,
                            subprocess_env)
+from trainer.fit.timeline import gib
 from trainer.observe.watch import KINDS, Alerts, ThroughputWatch, memory_text
 
 # Throughput alerts only for a drop far beyond a shared test machine's noise (the injected
@@ -87,6 +88,10 @@ def test_the_memory_story_reaches_wandb(faulty) -> None:
     assert 0.95 < s["memory/measured_over_predicted"] < 1.05, s
     assert s["memory/measured_as"] == "live tensor bytes"
     assert (faulty / "memory_plan.json").exists() and (faulty / "memory_plan.png").exists()
+    # The picture's one-line summary, with the prediction (CPU: no device size to compare with).
+    line = next(t for t in (faulty / "stdout.txt").read_text().splitlines()
+                if "memory per rank: floor " in t)
+    assert f"peak {gib(s['memory/predicted_peak_bytes'])} during " in line and "device" not in line
     # The run's summary fields, its config groups as tags, the checkpoint by reference.
     assert s["final/step"] == 16 and s["final/skipped_steps"] == 2
     assert s["final/best_val_loss"] <= s["final/val_loss"] and s["final/tokens_seen"] > 0

@@ -258,6 +258,7 @@ def test_report_for_real_models_in_under_a_minute(tmp_path, name, flags, shard, 
     assert seconds < SECONDS_LIMIT, seconds
     print(result.stdout)
     assert rows in result.stdout and "predicted peak" in result.stdout
+    assert "memory per rank: floor " in result.stdout  # the picture's line
     assert "no verdict" in result.stdout  # CPU, no --gpu-memory-gib
     assert "param dtype bfloat16" in result.stdout  # the big presets' default (conf/precision)
     png = (tmp_path / "out" / "memory_plan.png").read_bytes()
@@ -324,21 +325,30 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, start) -> None:
     assert result.stdout == ""
 
 
-def test_the_picture_shows_static_memory_the_capacity_and_the_peak(tmp_path) -> None:
+def test_the_picture_shows_the_floor_the_head_the_capacity_and_the_peak(tmp_path) -> None:
     from trainer.fit.plot import plot_plan
     from trainer.fit.scenario import Evaluator, Scenario
+    from trainer.fit.timeline import gib
 
     cfg, layout = check([*TINY, "checkpointing=budget"], {"WORLD_SIZE": "1"})
     outcome = Evaluator(400.0).evaluate(Scenario(cfg, layout, 1))
-    peak = outcome.estimate.peak
-    static = (peak.params + peak.grads + peak.optimizer + peak.unsharded) / 2**30
+    peak, head = outcome.estimate.peak, outcome.profile.head
     labels = plot_plan(outcome, str(tmp_path / "a.png"), capacity=3 * 2**30)
-    assert f"parameters, gradients, optimizer, unsharded: {static:.2f} GiB" in labels
-    assert "device memory 3.00 GiB" in labels
-    assert f"predicted peak {peak.total / 2**30:.2f} GiB ({peak.name})" in labels
-    assert any(label.startswith("activation budget ") for label in labels)
+    assert {"parameters + optimizer state", "gradients", "unsharded copies, temporaries",
+            "activations (saved; in backward + working set)"} <= set(labels)
+    assert f"the head (output layer, loss): +{gib(head.saved_bytes + head.extra_bytes)}" in labels
+    # 3 GiB is far above this step: drawn off the scale, with what is left at the peak.
+    assert (f"device memory 3.00 GiB (above this scale: {gib(3 * 2**30 - peak.total)} free at "
+            "the peak)") in labels
+    assert f"predicted peak {gib(peak.total)}\nduring {peak.name}" in labels
+    assert f"activation budget {gib(outcome.budget.bytes)} (over the floor)" in labels
+    # The budget plan keeps some blocks whole and recomputes others: both colours are named.
+    assert {"recompute none", "recompute full"} <= set(labels)
+    assert (tmp_path / "a.png").read_bytes().startswith(PNG_SIGNATURE)
     without = plot_plan(outcome, str(tmp_path / "b.png"))
     assert not any("device memory" in label for label in without)
+    near = plot_plan(outcome, str(tmp_path / "c.png"), capacity=int(1.2 * peak.total))
+    assert f"device memory {gib(int(1.2 * peak.total))}" in near  # on the scale: no note
 
 
 def test_plan_module_still_imports_without_torch() -> None:

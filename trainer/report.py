@@ -96,6 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(2)
     from trainer.fit.advice import suggest
     from trainer.fit.plot import plot_plan
+    from trainer.fit.timeline import picture_line
     from checkpointing.policies import BudgetError
     from trainer.fit.autofit import (at_micro_batch, decide, fitting, flop_timing,
                                  rows as fit_rows, table as fit_table)
@@ -131,6 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
               "its device); candidates:\n" + fit_table(decision) + "\n")
     print(table(outcome, args.tflops))
+    print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
     print(verdict(peak, capacity))
     advice = []
     if capacity is not None and peak > capacity:

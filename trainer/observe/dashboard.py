@@ -6,9 +6,10 @@ At start, on rank 0:
   together;
 - the predicted memory of this run's own plan: the pre-flight report's phases (`memory_plan`
   table), its picture (`memory_plan_png`; both also written to the run directory as
-  memory_plan.json / .png), and `plan_blocks`: per block, the saved bytes and recompute FLOPs of
-  every option (none / selective / full, from the meta trace: no profiling needed), the option
-  chosen, and the profiled seconds where blocks were profiled;
+  memory_plan.json / .png; its one-line summary goes to the console and train.log), and
+  `plan_blocks`: per block, the saved bytes and recompute FLOPs of every option (none /
+  selective / full, from the meta trace: no profiling needed), the option chosen, and the
+  profiled seconds where blocks were profiled;
 - the prediction as summary fields, with the measured peak beside it once steps are logged, and
   an alert when the measurement exceeds it by more than `logging.alert_memory_margin`.
 
@@ -84,6 +85,18 @@ def block_table(outcome, plan, profiles) -> list[dict]:
     return rows
 
 
+def device_capacity(cfg: Config, denv: DistEnv) -> Optional[int]:
+    """The memory the picture and its line compare with: train.memory_gib, else a CUDA device's
+    total (the whole device, as the report's --gpu-memory-gib), else none (CPU)."""
+    if cfg.train.memory_gib is not None:
+        return int(cfg.train.memory_gib * 2 ** 30)
+    if denv.device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(denv.device).total_memory
+    return None
+
+
 def start_of_run(logger: RunLogger, cfg: Config, built, layout, denv: DistEnv, run_dir: str,
                  resumed, alerts: Alerts) -> Optional[int]:
     """Rank 0: the resumed-after-a-stop alert, and the memory prediction to W&B; returns the
@@ -104,6 +117,7 @@ def start_of_run(logger: RunLogger, cfg: Config, built, layout, denv: DistEnv, r
         from trainer.fit.plot import plot_plan
         from trainer.fit.report import summary
         from trainer.fit.scenario import Evaluator, Scenario
+        from trainer.fit.timeline import picture_line
 
         flops = peak_flops(denv.device)
         evaluator = Evaluator(flops / 1e12 if flops else 1.0,
@@ -114,7 +128,9 @@ def start_of_run(logger: RunLogger, cfg: Config, built, layout, denv: DistEnv, r
         with open(os.path.join(run_dir, "memory_plan.json"), "w") as f:
             json.dump(predicted, f, indent=1)
         picture = os.path.join(run_dir, "memory_plan.png")
-        plot_plan(outcome, picture)
+        capacity = device_capacity(cfg, denv)
+        plot_plan(outcome, picture, capacity)
+        logger.info(picture_line(outcome, capacity))
         blocks = block_table(outcome, built.plan, built.profiles)
     except Exception as exc:  # a prediction must never stop a run
         log.warning("memory prediction for the dashboard skipped: %s", exc)
