@@ -35,6 +35,8 @@ ROWS = {
     # The fastest plan predicted to fit the device less train.memory_reserve_gib (issue 14).
     "auto": ["checkpointing=auto"],
     "none": ["checkpointing=none"],
+    # The fused chunked loss head against the plain one (issue 26): the peak and tokens/s.
+    "full + head=chunked": ["checkpointing=full", "checkpointing.head=chunked"],
     "budget": ["checkpointing=budget"],
     "ref:full": [],
     "full + sharding.cpu_offload": ["checkpointing=full", "sharding.cpu_offload=true"],

@@ -108,6 +108,7 @@ def targets(result: dict) -> list[tuple[str, Optional[bool], str]]:
         out.append(("G1: selective MFU >= 45%, >= 0.97x the plain reference", None,
                     "no selective/reference pair with MFU (CPU, or a row failed)"))
     out.append(_g2(result, rows, fit))
+    out.append(_head(rows))
     predicted = result["stages"].get("predict", {}).get("rows", {})
     beyond = {n: r["device_used_bytes"] - r["peak_mem_bytes"] for n, r in rows.items()
               if r.get("ok") and r.get("device_used_bytes") and not n.startswith("ref:")}
@@ -134,6 +135,23 @@ def targets(result: dict) -> list[tuple[str, Optional[bool], str]]:
                     all(abs(r - 1) <= 0.10 for r in ratios.values()),
                     f"worst {worst}: predicted/measured {ratios[worst]:.3f}"))
     return out
+
+
+def _head(rows: dict) -> tuple[str, Optional[bool], str]:
+    """The chunked loss head (issue 26): a lower peak than the plain head at <= 1.03x its step
+    time, both under `full` at the same micro-batch."""
+    name = "chunked head: lower peak than plain, <= 1.03x its step time (full)"
+    plain, chunked = rows.get("full", {}), rows.get("full + head=chunked", {})
+    if not (plain.get("ok") and chunked.get("ok")):
+        return name, None, "full or full + head=chunked did not run"
+    if plain["micro_batch"] != chunked["micro_batch"]:
+        return name, None, (f"not comparable: micro-batch {plain['micro_batch']} against "
+                            f"{chunked['micro_batch']}")
+    ratio = plain["tokens_per_s"] / chunked["tokens_per_s"]
+    lower = chunked["peak_mem_bytes"] < plain["peak_mem_bytes"]
+    return name, lower and ratio <= 1.03, (
+        f"peak {chunked['peak_mem_bytes'] / 2**30:.2f} vs {plain['peak_mem_bytes'] / 2**30:.2f} "
+        f"GiB, step time {ratio:.3f}x")
 
 
 def _g2(result: dict, rows: dict, fit: dict) -> tuple[str, Optional[bool], str]:
