@@ -52,9 +52,11 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     target), divided by `normaliser` (None: the number of such tokens, at least 1).
 
     hidden [tokens, d] (leading dimensions are flattened), weight [vocab, d] of the same dtype,
-    targets [tokens] integers. A 0-dim tensor normaliser is a graph input under torch.compile (a
-    float is a constant: a new value may recompile). Gradients flow to whichever of hidden and
-    weight requires them; the other's is never computed. The loss is fp32 (fp64 for fp64 inputs).
+    targets [tokens] integers. Under torch.compile give a normaliser that changes from step to
+    step as a 0-dim tensor (any device): it is then a graph input, where a Python float is a
+    constant that recompiles the graph for every new value. Gradients flow to whichever of
+    hidden and weight requires them; the other's is never computed. The loss is fp32 (fp64 for
+    fp64 inputs).
     """
     if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: want "
@@ -70,11 +72,12 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     if normaliser is not None and not isinstance(normaliser, torch.Tensor):
         if not normaliser > 0:
             raise ValueError(f"normaliser must be positive, not {normaliser}")
-        normaliser = torch.tensor(float(normaliser), dtype=torch.float64)
+        normaliser = torch.tensor(normaliser, dtype=torch.float64)
     grad = torch.is_grad_enabled()
-    loss, _, _ = torch.ops.blocktrain.chunked_linear_cross_entropy(
-        tokens, weight, targets, int(chunk_tokens), normaliser, int(ignore_index),
-        grad and tokens.requires_grad, grad and weight.requires_grad)
+    # The op by its CustomOpDef, not torch.ops.blocktrain...: launch/torch_api.py looks every
+    # dotted torch name up in a bare torch, where the op is not registered.
+    loss, _, _ = _op(tokens, weight, targets, int(chunk_tokens), normaliser, int(ignore_index),
+                     grad and tokens.requires_grad, grad and weight.requires_grad)
     return loss
 
 
@@ -216,7 +219,7 @@ class SeeInsideHead:
     temporaries (the chunk's logits) would go unseen; this runs the op's body under the mode."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.blocktrain.chunked_linear_cross_entropy.default:
+        if func.name() == OP_NAME:
             with self:
                 return fused_forward(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)

@@ -26,11 +26,12 @@ def _data(tokens: int, vocab: int, dim: int, dtype=torch.float64, masked: float 
 
 
 def _run(loss_fn, hidden, weight, targets, grads=(True, True)):
-    """(loss, grad of hidden, grad of weight) of one backward from fresh leaves."""
+    """(loss, grad of hidden, grad of weight) of one backward from fresh leaves; the backward
+    starts from 0.75, not 1, so that a backward that ignores its incoming gradient shows."""
     hidden = hidden.detach().requires_grad_(grads[0])
     weight = weight.detach().requires_grad_(grads[1])
     loss = loss_fn(hidden, weight, targets)
-    loss.backward()
+    (loss * 0.75).backward()
     return loss.detach(), hidden.grad, weight.grad
 
 
@@ -94,6 +95,15 @@ def test_only_the_gradients_asked_for(grads) -> None:
             assert _relative(g, w) <= 1e-12
     with torch.no_grad():
         assert _relative(chunked_linear_cross_entropy(hidden, weight, targets, 7), want[0]) < 1e-12
+
+
+def test_a_kept_graph_gives_the_same_gradients_twice() -> None:
+    hidden, weight, targets = _data(N, 50, 12, masked=0.3)
+    hidden.requires_grad_()
+    loss = chunked_linear_cross_entropy(hidden, weight, targets, 7)
+    first, = torch.autograd.grad(loss, hidden, retain_graph=True)
+    second, = torch.autograd.grad(loss, hidden)
+    assert torch.equal(first, second)
 
 
 def test_nothing_supervised_is_zero_not_nan() -> None:
