@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpointing.head import (SeeInsideHead, chunked_linear_cross_entropy,
-                                default_chunk_tokens, main)
-from trainer.observe.livebytes import LiveTensorBytes
+from checkpointing.head import SeeInsideHead, chunked_linear_cross_entropy, default_chunk_tokens
+from checkpointing.head_bench import main
+from trainer.observe.livebytes import LiveTensorBytes, _LiveTensorBytes
 
 IGNORE = -100
 
@@ -167,14 +167,10 @@ def test_compiles_as_one_graph_and_matches_eager(backend: str) -> None:
     assert counter.frame_count == 1  # a new tensor normaliser is an input, not a recompile
 
 
-class _LiveInsideHead(SeeInsideHead, LiveTensorBytes):
-    pass
-
-
 def _peak(loss_fn, hidden, weight, targets) -> int:
     """Peak live tensor bytes of forward+backward above the inputs, the op's insides seen."""
     hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
-    with _LiveInsideHead([hidden, weight, targets]) as live:
+    with LiveTensorBytes([hidden, weight, targets]) as live:  # it sees inside (SeeInsideHead)
         loss_fn(hidden, weight, targets).backward()
     return live.peak - live.baseline
 
@@ -196,7 +192,8 @@ def test_memory_is_far_below_the_plain_head() -> None:
 def test_the_op_sees_inside_for_the_memory_measure() -> None:
     """Without SeeInsideHead the custom op is one node and its chunk logits go unseen."""
     hidden, weight, targets = _data(256, 4000, 16, dtype=torch.float32)
-    with LiveTensorBytes([hidden, weight, targets]) as blind:
+    assert issubclass(LiveTensorBytes, SeeInsideHead)
+    with _LiveTensorBytes([hidden, weight, targets]) as blind:
         chunked_linear_cross_entropy(hidden, weight, targets, 256)
     seen = _peak(_chunked(256), hidden, weight, targets)
     assert blind.peak - blind.baseline < 256 * 4000 * 4 <= seen
