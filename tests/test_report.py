@@ -32,7 +32,7 @@ from trainer.faults import LossGuard
 from trainer.loop import train_step
 from trainer.models.llama import build_llama, lm_loss
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.task import task_for
+from trainer.task import head_chunk, task_for
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Dropout off: with dropout, CPU attention takes the math path (T x T probabilities saved), which
@@ -159,7 +159,7 @@ def _measured_step(overrides: list[str], world: int = 1) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
     generator = torch.Generator().manual_seed(denv.rank)
     guard = LossGuard(skip_nonfinite=True, max_bad=3, spike_factor=0, window=10)
-    task = task_for(cfg.model, cfg.data)
+    task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
     for step in range(2):
         inputs = _random_batch(cfg, task, generator)
         batches = [inputs[-2:]]
@@ -210,6 +210,23 @@ def test_predicted_memory_matches_a_real_cpu_step(world_of_one, model, policy) -
         cfg, layout = check(overrides, {"WORLD_SIZE": "1"})
         outcome = Evaluator(tflops=400).evaluate(Scenario(cfg, layout, 1))
         assert outcome.estimate.end_of_forward <= outcome.budget.bytes
+
+
+@pytest.mark.parametrize("model", ["tiny", "hf"])
+@pytest.mark.parametrize("policy", POLICIES[:3], ids=lambda p: p[0].split("=")[1])
+def test_predicted_memory_with_the_chunked_head(world_of_one, model, policy) -> None:
+    """The chunked head's memory (a chunk's logits, the gradients it makes in the forward) as
+    the report predicts it and a real CPU step measures it, within the same accuracy; with a
+    vocabulary large enough that the plain head would set the peak."""
+    overrides = ({"tiny": TINY, "hf": HF}[model] + policy +
+                 ["model.vocab_size=4096", "checkpointing.head=chunked",
+                  "checkpointing.head_chunk_tokens=64"])
+    if model == "hf":
+        overrides = [o.replace("vocab_size: 256", "vocab_size: 4096") for o in overrides]
+    measured = _measured_step(overrides)
+    predicted = _predicted(overrides, measured["plan"])
+    _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
+                  f"{model} {policy[0]} chunked head peak ({predicted.peak.name})")
 
 
 def _two_rank_step(rank: int, world_size: int, overrides: list[str]) -> dict:
