@@ -13,8 +13,9 @@ copies of [chunk, vocab]) plus the gradients the step needs anyway, flat in the 
 Determinism: every token's loss is written into one [tokens] buffer that is summed once at the
 end, so the loss's summation order does not depend on the chunking; a token's gradient row
 depends only on its own logits. What no pure-PyTorch op controls is the matrix library: MKL (and
-cuBLAS) may compute a row of a product differently when the product has another number of rows
-(on this CPU: chunks of 1 or 7 rows differ in the last bit, multiples of 16 do not).
+cuBLAS) may round a row of a product differently when the product has another number of rows (on
+the CI CPU, chunks of 1 or 7 rows change a token's hidden gradient in the last bit; chunks that
+are whole multiples of 16 rows do not).
 
     python -m checkpointing.head_bench --tokens 4096 --vocab 32000,128256 --dim 512
 
@@ -33,7 +34,10 @@ OP_NAME = "blocktrain::chunked_linear_cross_entropy"
 
 
 def default_chunk_tokens(vocab: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> int:
-    """The most tokens whose fp32 logits ([tokens, vocab]) fit `budget_bytes`; at least 1."""
+    """The most tokens whose fp32 logits ([tokens, vocab]) fit `budget_bytes`; at least 1.
+
+    The chunk's working set is then the budget for an fp32 head, 1.5 times it for bf16 (the fp32
+    logits and their gradient cast to bf16)."""
     if vocab <= 0 or budget_bytes <= 0:
         raise ValueError(f"vocab ({vocab}) and budget_bytes ({budget_bytes}) must be positive")
     return max(1, budget_bytes // (vocab * 4))
