@@ -111,6 +111,14 @@ def head_row(head: str, chunk_tokens: Optional[int]) -> dict:
     return {"name": "head", "head": head, "chunk_tokens": chunk_tokens}
 
 
+def head_table_row(row: dict, like: dict, index: int) -> dict:
+    """The head's row in the blocks' columns (a W&B table needs them all): its choice where a
+    block has its recompute option."""
+    choice = (f"{row['head']} head" + (f", {row['chunk_tokens']} tokens per chunk"
+                                       if row["head"] == "chunked" else ""))
+    return {**{key: None for key in like}, "index": index, "name": "head", "recompute": choice}
+
+
 def head_line(row: dict) -> str:
     if row["head"] == "chunked":
         return (f"{'':>5} {'head':<24} chunked: fused linear cross-entropy, {row['chunk_tokens']:,} "

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpointing.plan import (describe, head_line, head_row, plan_rows, plan_table,
-                                plan_to_json)
+from checkpointing.plan import (describe, head_line, head_row, head_table_row, plan_rows,
+                                plan_table, plan_to_json)
 from checkpointing.policies import added_seconds
 from checkpointing.saved import SavedBytesMeter
 from offload.apply import close_offloader, offload_micro_batch
@@ -305,8 +305,9 @@ class Trainer:
         if denv.is_main:
             with open(os.path.join(self.run_dir, "plan.json"), "w") as f_plan:
                 f_plan.write(plan_to_json(plan, head))
+        rows = plan_rows(plan, built.profiles)
         self.logger.plan(plan_table(plan, built.profiles) + "\n" + head_line(head),
-                         plan_rows(plan, built.profiles) + [head])
+                         rows + [head_table_row(head, rows[0], len(plan))])
         d = built.decision
         if d is not None:
             when = "as decided at the first start: " if d.reused else "saved in "
