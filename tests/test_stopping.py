@@ -3,6 +3,8 @@ the console log is the log (issue 13's second half)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pty
 import signal
@@ -88,31 +90,49 @@ def test_ctrl_c_under_torchrun_saves_every_finished_step(tmp_path) -> None:
 
 
 def test_workers_stop_and_save_when_torchrun_is_killed(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    agent = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   start_new_session=True)
-    _wait_for_step(run_dir, 3, agent)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)],
-                                              capture_output=True, text=True).stdout.split()]
-    assert len(workers) == 2
-    agent.kill()  # kill -9: the agent can neither stop nor signal its workers
-    agent.wait()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in workers), "orphaned workers kept training"
+    """kill -9 of the agent: its workers save, say so and exit 75, without a traceback from
+    the agent's store, which died with it (issue 27, item 4)."""
+    run_dir, output = tmp_path / "run", tmp_path / "console.txt"
+    with open(output, "w") as console, _reaping_orphans():
+        agent = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
+                       stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait_for_step(run_dir, 3, agent)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)],
+                                                  capture_output=True, text=True).stdout.split()]
+        assert len(workers) == 2
+        agent.kill()  # kill -9: the agent can neither stop nor signal its workers
+        agent.wait()
+        # The workers are handed to this process (a subreaper), which learns their status.
+        statuses = [_wait_status(pid, timeout=60) for pid in workers]
+    text = output.read_text()
+    assert statuses == [75, 75], text[-3000:]
+    assert "Traceback" not in text and "DistNetworkError" not in text, text[-3000:]
     # They noticed within seconds, finished their step and saved it together.
-    assert _committed_steps(run_dir) == [max(step_losses(run_dir))]
-    assert max(step_losses(run_dir)) < 400
+    last = max(step_losses(run_dir))
+    assert _committed_steps(run_dir) == [last] and last < 400
+    assert f"saved step {last}; exiting with status 75" in text
 
 
-def _alive(pid: int) -> bool:
+@contextlib.contextmanager
+def _reaping_orphans():
+    """Orphaned descendants come to this process instead of init while inside (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
+        yield
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+
+
+def _wait_status(pid: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"worker {pid} kept running after its agent was killed")
 
 
 def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
