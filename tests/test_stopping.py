@@ -11,13 +11,15 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.helpers import (LONG_RUN, QUICK, committed_steps, start_trainer, step_losses,
                            wait_for_step)
 
 def test_ctrl_c_finishes_the_step_saves_and_exits(tmp_path) -> None:
     run_dir = tmp_path / "run"
     process = start_trainer(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_step(run_dir, 3, process)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
@@ -33,8 +35,8 @@ def test_second_ctrl_c_stops_at_once(tmp_path) -> None:
     run_dir = tmp_path / "run"
     # A slow step (a big micro-batch) so the second Ctrl-C lands inside it.
     process = start_trainer(LONG_RUN + ["train.micro_batch_size=64", "data.seq_len=256",
-                                 f"hydra.run.dir={run_dir}"], tmp_path,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                        f"hydra.run.dir={run_dir}"], tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_step(run_dir, 1, process)
     process.send_signal(signal.SIGINT)
     time.sleep(0.05)
@@ -49,7 +51,7 @@ def test_ctrl_c_under_torchrun_saves_every_finished_step(tmp_path) -> None:
     workers finish their step and save it together; the echo is not a second Ctrl-C."""
     run_dir = tmp_path / "run"
     agent = start_trainer(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     wait_for_step(run_dir, 3, agent)
     os.killpg(agent.pid, signal.SIGINT)  # what the terminal does: the whole process group
     out, err = agent.communicate(timeout=120)
@@ -59,13 +61,15 @@ def test_ctrl_c_under_torchrun_saves_every_finished_step(tmp_path) -> None:
     assert "interrupted: stopped at once" not in err
 
 
-def test_workers_stop_and_save_when_torchrun_is_killed(tmp_path) -> None:
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "launch.run"])
+def test_workers_stop_and_save_when_torchrun_is_killed(tmp_path, launcher) -> None:
     """kill -9 of the agent: its workers save, say so and exit 75, without a traceback from
     the agent's store, which died with it (issue 27, item 4)."""
     run_dir, output = tmp_path / "run", tmp_path / "console.txt"
     with open(output, "w") as console, _reaping_orphans():
         agent = start_trainer(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
-                       stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+                              launcher=launcher, stdout=console, stderr=subprocess.STDOUT,
+                              start_new_session=True)
         wait_for_step(run_dir, 3, agent)
         workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)],
                                                   capture_output=True, text=True).stdout.split()]
@@ -111,8 +115,8 @@ def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
     run_dir = tmp_path / "run"
     leader, follower = pty.openpty()
     process = start_trainer(QUICK + ["data=synthetic", "train.steps=3", "logging.progress=true",
-                              "logging.wandb=true", f"hydra.run.dir={run_dir}"], tmp_path,
-                     stdout=follower, stderr=follower)
+                                     "logging.wandb=true", f"hydra.run.dir={run_dir}"],
+                            tmp_path, stdout=follower, stderr=follower)
     os.close(follower)
     console = b""
     while True:
