@@ -37,6 +37,10 @@ STOP_AT_ONCE_S = 3.0
 # a failed save, a setting. A restart would not change them.
 DELIBERATE = {2, 74, 75, 130}
 INTERRUPTED = 130
+# After one worker's deliberate exit, how long the others get to end by themselves before the
+# agent stops them: they take the same decision at the same step boundary, or a moment later
+# (trainer/cli.py's SILENT_RANK_EXIT_DELAY_S), unless they are waiting for the one that left.
+DELIBERATE_GRACE_S = 5.0
 AT_ONCE_LINE = ("interrupted: stopped at once, without saving; the checkpoints written so far "
                 "are kept")
 # torchrun's own loggers: what they say on a stop or a failure is said by the workers' lines and
@@ -142,14 +146,10 @@ def agent_class(group: Group):
                 # One worker has ended; the others are finishing their save or their own exit.
                 # Stopping by hand they get all the time they need (Ctrl-C again ends it).
                 wait_for_exit(group.pids().values(),
-                              None if group.stopping else _shutdown_timeout())
+                              None if group.stopping else DELIBERATE_GRACE_S)
             super()._stop_workers(worker_group)
 
     return Agent
-
-
-def _shutdown_timeout() -> float:
-    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
 
 
 def status_of(failed, group: Group) -> int:
