@@ -171,6 +171,33 @@ def test_a_crafted_metadata_file_runs_nothing_on_resume_or_export(tmp_path, save
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("damaged", ["state.json", "rng/rank0.pt"])
+def test_damaged_state_files_are_named_in_one_line(tmp_path, saved_run, damaged) -> None:
+    """Issue 27 item 8: files that match their checksums but are not what they should be
+    (broken JSON; a pickled object instead of generator states) are damage like any other:
+    named, and with no other checkpoint the run refuses. The object is never built."""
+    run_dir = _copy(saved_run, tmp_path)
+    folder = run_dir / "checkpoints" / "step_00000002"
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    data = (b'{"progress": {step: 2}}' if damaged == "state.json" else pickle.dumps(Evil()))
+    (folder / damaged).write_bytes(data)
+    commit = json.loads((folder / "COMMITTED.json").read_text())
+    commit["files"][damaged] = [len(data), zlib.crc32(data)]
+    (folder / "COMMITTED.json").write_text(json.dumps(commit))
+    result = run_trainer(TINY_RUN + ["train.steps=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert result.returncode == 2 and not marker.exists()
+    why = ("state.json cannot be read as JSON (Expecting property name" if damaged == "state.json"
+           else "rng/rank0.pt names posix.system, which generator states never hold")
+    _one_line(result.stderr, f"error: save.resume: every checkpoint in {run_dir}/checkpoints is "
+                             f"damaged (step_00000002: {why}")
+    assert "weights_only" not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("named_by", ["hydra.run.dir", "train.run_name"])
 def test_a_run_directory_has_one_live_owner(tmp_path, saved_run, named_by) -> None:
     """A second run on a live run's directory is refused in one line naming the setting that

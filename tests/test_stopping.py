@@ -46,6 +46,27 @@ def test_second_ctrl_c_stops_at_once(tmp_path) -> None:
     assert err.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
 
 
+def test_second_ctrl_c_during_the_save_stops_at_once(tmp_path) -> None:
+    """Issue 27 item 6: the second Ctrl-C lands while the step's checkpoint is written (a
+    model of ~30M parameters: its save takes about a second). Status 130 and the stop-at-once
+    line, not 74 and a line blaming save.dir; the torn folder is removed."""
+    run_dir = tmp_path / "run"
+    bigger = ["model.dim=512", "model.n_layers=8", "model.ffn_hidden=1536", "model.n_heads=8",
+              "model.n_kv_heads=8", "train.micro_batch_size=1", "data.seq_len=32"]
+    process = start_trainer(LONG_RUN + bigger + [f"hydra.run.dir={run_dir}"], tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_step(run_dir, 1, process, timeout=300)
+    process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not list((run_dir / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
+        time.sleep(0.005)  # the save has begun once its folder exists
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in out + err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
+    assert "save.dir" not in err and list((run_dir / "checkpoints").iterdir()) == []
+
+
 def test_ctrl_c_under_torchrun_saves_every_finished_step(tmp_path) -> None:
     """A terminal's Ctrl-C reaches the agent and both workers; the agent forwards it again. The
     workers finish their step and save it together; the echo is not a second Ctrl-C."""
