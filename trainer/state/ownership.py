@@ -27,7 +27,10 @@ LOCK_FILE = ".lock"
 # state.py's stop marker).
 # The W&B run id of this run directory, reused by a restarted run (trainer/observe/wandb_log.py).
 RUN_ID_FILE = "wandb_run_id"
-HISTORY = ("metrics.jsonl", RUN_ID_FILE, "preempted.json")
+# The highest W&B step logged in this run directory: a replay is logged after it.
+WANDB_STEP_FILE = "wandb_step"
+HISTORY = ("metrics.jsonl", "metrics.superseded.jsonl", RUN_ID_FILE, WANDB_STEP_FILE,
+           "preempted.json")
 
 
 class RunDirBusy(RuntimeError):
