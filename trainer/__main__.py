@@ -110,6 +110,20 @@ def _claim_run_dir(argv: list[str]) -> None:
         cli.exit_after_error()
 
 
+def _exit_now(status: int) -> None:
+    """Exit without the interpreter's teardown: collecting a trained model's objects takes a
+    second or more, which a second Ctrl-C asked not to wait for. Exit handlers (W&B's among
+    them) still run, and every file is flushed first."""
+    import atexit
+    import logging
+
+    logging.shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if cli.preflight(argv):
@@ -126,7 +140,7 @@ def main() -> None:
         if cli.world_from_env(os.environ)[0] == 0:
             print("\ninterrupted: stopped at once, without saving; the checkpoints written so "
                   "far are kept", file=sys.stderr, flush=True)
-        sys.exit(130)
+        _exit_now(130)
     if "torch.distributed" in sys.modules:  # a sweep kept its process group for all its jobs
         from trainer.distenv import shutdown
 
