@@ -216,6 +216,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"error: stopped by {exc.sigval.name}; the workers were stopped",
               file=sys.stderr, flush=True)
         status = 128 + int(exc.sigval)
+    except Exception as exc:  # the rendezvous: a node that never came, an address in use
+        if "LOGLEVEL" in os.environ:
+            raise
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        print(f"error: torchrun: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+        status = 1
     # Without the interpreter's teardown (torch's modules take most of a second to collect):
     # the workers are gone, and a stopped group should hand the terminal back at once.
     logging.shutdown()
