@@ -220,7 +220,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if "LOGLEVEL" in os.environ:
             raise
         first = next((line for line in str(exc).splitlines() if line.strip()), "")
-        print(f"error: torchrun: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+        hint = ("; not every node joined in time (--nnodes, --rdzv-endpoint, --rdzv-conf "
+                "join_timeout=...)" if type(exc).__name__ == "RendezvousTimeoutError" else "")
+        print(f"error: torchrun: {type(exc).__name__}" + (f": {first}" if first else "") + hint,
+              file=sys.stderr, flush=True)
         status = 1
     # Without the interpreter's teardown (torch's modules take most of a second to collect):
     # the workers are gone, and a stopped group should hand the terminal back at once.
