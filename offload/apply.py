@@ -18,7 +18,7 @@ from torch import nn
 
 from checkpointing.plan import BlockPlan
 from checkpointing.saved import SavedBytesMeter
-from offload.disk import DiskStore
+from offload.disk import DiskStore, cleanup_stale
 from offload.engine import Offloader
 from offload.host import NOTHING_TO_MOVE, CpuStore
 
@@ -92,4 +92,29 @@ def close_offloader(offloader: Optional[Offloader], own_parent: bool = True) -> 
 
 
 def offload_dir(configured: Optional[str], run_dir: str, rank: int) -> str:
-    return os.path.join(configured or os.path.join(run_dir, "offload"), f"rank{rank}")
+    return os.path.join(offload_root(configured, run_dir), f"rank{rank}")
+
+
+def offload_root(configured: Optional[str], run_dir: str) -> str:
+    return configured or os.path.join(run_dir, "offload")
+
+
+def remove_stale_offload(configured: Optional[str], run_dir: str, world_size: int) -> list[str]:
+    """Every rank folder's stale disk-tier files on this host (those whose process ended in
+    any way, e.g. kill -9, without removing them), whatever the world size that wrote them: a
+    rank's own store cleans only its own folder, and a restart on fewer ranks has no store for
+    the others. Live folders are locked and stay. Empty folders of ranks this run does not
+    have go too (in the run's own offload folder). Returns what was removed."""
+    root = offload_root(configured, run_dir)
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith("rank") and n[4:].isdigit())
+    except OSError:  # no offload folder yet
+        return []
+    removed = []
+    for name in names:
+        folder = os.path.join(root, name)
+        removed += cleanup_stale(folder)
+        if configured is None and int(name[4:]) >= world_size:  # the run's own offload folder
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only when empty: no rank of this run writes there
+    return removed

@@ -25,6 +25,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -52,16 +53,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_trainer(overrides: Sequence[str], cwd: Path, nproc: int = 1, timeout: float = 300,
-                env: Optional[dict] = None, torchrun_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
-    """`python -m trainer ...`, or under torchrun with nproc processes."""
+def trainer_command(overrides: Sequence[str], nproc: int = 1, torchrun_args: Sequence[str] = (),
+                    launcher: str = "torch.distributed.run") -> list[str]:
+    """`python -m trainer ...`, or under a launcher (torchrun, or ours: launch.run) with nproc
+    processes."""
     if nproc == 1 and not torchrun_args:
-        cmd = [sys.executable, "-m", "trainer", *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               *(torchrun_args or ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]),
-               "-m", "trainer", *overrides]
-    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True,
+        return [sys.executable, "-m", "trainer", *overrides]
+    return [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}",
+            *(torchrun_args or ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]),
+            "-m", "trainer", *overrides]
+
+
+def run_trainer(overrides: Sequence[str], cwd: Path, nproc: int = 1, timeout: float = 300,
+                env: Optional[dict] = None, torchrun_args: Sequence[str] = (),
+                launcher: str = "torch.distributed.run") -> subprocess.CompletedProcess:
+    """`python -m trainer ...`, or under torchrun (or `launcher`) with nproc processes."""
+    return subprocess.run(trainer_command(overrides, nproc, torchrun_args, launcher), cwd=cwd,
+                          env=subprocess_env(env), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -117,3 +125,34 @@ def step_losses(run_dir: Path) -> dict[int, float]:
         if "loss" in m:
             out[m["step"]] = m["loss"]
     return out
+
+
+# --- starting a run and stopping it as a terminal or a scheduler would ----------------------
+
+# Long enough that a signal sent after the first steps lands mid-run.
+LONG_RUN = QUICK + ["data=synthetic", "train.steps=400", "save.every=0", "train.eval_every=400"]
+
+
+def start_trainer(overrides: Sequence[str], cwd: Path, nproc: int = 1,
+                  torchrun_args: Sequence[str] = (), launcher: str = "torch.distributed.run",
+                  **kwargs) -> subprocess.Popen:
+    """The run in the background (Popen's own arguments in kwargs)."""
+    return subprocess.Popen(trainer_command(overrides, nproc, torchrun_args, launcher), cwd=cwd,
+                            env=subprocess_env(), text=True, **kwargs)
+
+
+def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120):
+    """Until metrics.jsonl has the loss of `step` (or a later one)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the run ended early"
+        if (run_dir / "metrics.jsonl").exists() and any(
+                m.get("step", 0) >= step and "loss" in m for m in read_metrics(run_dir)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name[len("step_"):])
+                  for p in (run_dir / "checkpoints").glob("step_*/COMMITTED.json"))

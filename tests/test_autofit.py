@@ -183,6 +183,21 @@ def test_too_little_memory_is_one_line_naming_the_least_and_what_else_fits(tmp_p
     assert not run_dir.exists()  # refused before the run directory was made
 
 
+def test_nothing_else_fits_is_said_not_left_to_an_empty_list(capsys) -> None:
+    """Issue 27 item 11: without sharding no other setting is tried; the line must not end
+    "change one of these" with nothing listed."""
+    from trainer.cli import preflight
+
+    status = preflight(["train.device=cpu", "sharding=none", "checkpointing=auto",
+                        "train.micro_batch_size=auto", "train.global_batch_size=8",
+                        "train.memory_gib=0.005"], {})
+    line = capsys.readouterr().err.strip()
+    assert status == 2 and line.startswith("error: train.memory_gib: 0.005 GiB per rank is too "
+                                           "small for checkpointing=auto"), line
+    assert line.endswith("; raise train.memory_gib (no other setting tried makes it fit)")
+    assert "it would fit with" not in line and "these" not in line
+
+
 def test_the_report_shows_what_auto_would_choose(tmp_path) -> None:
     import subprocess
     import sys

@@ -171,23 +171,60 @@ def test_a_crafted_metadata_file_runs_nothing_on_resume_or_export(tmp_path, save
     assert not marker.exists()
 
 
-def test_a_run_directory_has_one_live_owner(tmp_path) -> None:
+@pytest.mark.parametrize("damaged", ["state.json", "rng/rank0.pt"])
+def test_damaged_state_files_are_named_in_one_line(tmp_path, saved_run, damaged) -> None:
+    """Issue 27 item 8: files that match their checksums but are not what they should be
+    (broken JSON; a pickled object instead of generator states) are damage like any other:
+    named, and with no other checkpoint the run refuses. The object is never built."""
+    run_dir = _copy(saved_run, tmp_path)
+    folder = run_dir / "checkpoints" / "step_00000002"
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    data = (b'{"progress": {step: 2}}' if damaged == "state.json" else pickle.dumps(Evil()))
+    (folder / damaged).write_bytes(data)
+    commit = json.loads((folder / "COMMITTED.json").read_text())
+    commit["files"][damaged] = [len(data), zlib.crc32(data)]
+    (folder / "COMMITTED.json").write_text(json.dumps(commit))
+    result = run_trainer(TINY_RUN + ["train.steps=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert result.returncode == 2 and not marker.exists()
+    why = ("state.json cannot be read as JSON (Expecting property name" if damaged == "state.json"
+           else "rng/rank0.pt names posix.system, which generator states never hold")
+    _one_line(result.stderr, f"error: save.resume: every checkpoint in {run_dir}/checkpoints is "
+                             f"damaged (step_00000002: {why}")
+    assert "weights_only" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("named_by", ["hydra.run.dir", "train.run_name"])
+def test_a_run_directory_has_one_live_owner(tmp_path, saved_run, named_by) -> None:
+    """A second run on a live run's directory is refused in one line naming the setting that
+    named the directory, and writes nothing there: not Hydra's .hydra/ files, not train.log
+    (issue 27, items 5 and 11)."""
     from trainer.state.ownership import RunLock
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir = _copy(saved_run, tmp_path)
+    where = ([f"hydra.run.dir={run_dir}"] if named_by == "hydra.run.dir"
+             else [f"train.out_dir={tmp_path}", "train.run_name=run"])
+    records = {p: p.read_bytes() for p in [*run_dir.glob(".hydra/*"), run_dir / "train.log",
+                                           run_dir / "metrics.jsonl"]}
+    assert len(records) == 5
     lock = RunLock(str(run_dir))
     lock.acquire()  # a live run holds it
     try:
-        result = run_trainer(TINY_RUN + [f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+        result = run_trainer(TINY_RUN + ["train.steps=4", "optim.lr=0.5", *where], cwd=tmp_path)
     finally:
         lock.release()
-    assert result.returncode == 2 and not (run_dir / "metrics.jsonl").exists()
-    _one_line(result.stderr, f"error: train.run_name: run directory {run_dir} is in use by pid "
+    assert result.returncode == 2
+    _one_line(result.stderr, f"error: {named_by}: run directory {run_dir} is in use by pid "
                              f"{os.getpid()} on ")
+    assert result.stderr.strip().endswith(f"start this one under another {named_by}")
+    assert {p: p.read_bytes() for p in records} == records  # the live run's records, untouched
     # The holder is gone; its lock file stays behind and is simply taken over.
     assert (run_dir / ".lock").exists()
-    check_ok(run_trainer(TINY_RUN + [f"hydra.run.dir={run_dir}"], cwd=tmp_path))
+    check_ok(run_trainer(TINY_RUN + ["train.steps=3", *where], cwd=tmp_path))
 
 
 def test_starting_over_sets_the_old_history_aside(tmp_path, saved_run) -> None:

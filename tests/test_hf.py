@@ -189,3 +189,33 @@ def test_attn_implementation_reaches_the_hf_model() -> None:
         cfg = config("model=hf", "model.hf_config={model_type: llama, num_hidden_layers: 1}",
                      f"model.attn_implementation={choice}")
         assert build_on_meta(cfg.model).hf.config._attn_implementation == choice
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "a shard missing"])
+def test_damaged_pretrained_weights_are_named_in_one_line(tmp_path, damage) -> None:
+    """Issue 27 item 7: a cut or empty model.safetensors, or a shard the index lists but the
+    folder lacks, is one line naming the file (not safetensors' traceback, nor "no tensor")."""
+    import json
+
+    from tests.helpers import QUICK, run_trainer
+
+    folder = tmp_path / "tiny"
+    reference = _tiny_llama_folder(folder)
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-1000])
+        expected = f"error: model.path: {weights} is not a complete safetensors file ("
+    elif damage == "empty":
+        weights.write_bytes(b"")
+        expected = f"error: model.path: {weights} is not a complete safetensors file ("
+    else:  # what save_pretrained writes for a large model, one shard short
+        reference.save_pretrained(folder, max_shard_size="100KB")
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        shard = sorted(set(index["weight_map"].values()))[-1]
+        (folder / shard).unlink()
+        expected = f"error: model.path: {folder / shard} is missing"
+    result = run_trainer([*QUICK, "model=hf", f"model.path={folder}", "data=synthetic",
+                          "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[-1].startswith(expected), result.stderr[-3000:]

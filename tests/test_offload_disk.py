@@ -194,3 +194,25 @@ def test_trim_gives_freed_heap_pages_back() -> None:
     assert release_free_heap()
     assert before - _rss_bytes() > 32 << 20
     assert all(float(t[0]) == 1.0 for t in keep)
+
+
+@pytest.mark.parametrize("offload", ["disk", "none"])
+def test_any_restart_removes_every_stale_offload_folder_of_the_run(tmp_path, offload) -> None:
+    """Issue 27 item 9: rank 1 of a 2-rank run was killed with kill -9 and left its folder; a
+    restart on one process (rank 0 only), with or without the disk tier, removes it."""
+    from tests.helpers import QUICK, check_ok, run_trainer
+
+    run_dir = tmp_path / "run"
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process holds any more
+    stale = run_dir / "offload" / "rank1" / f"{FOLDER_PREFIX}{host_tag()}-{dead.pid}-abcd1234"
+    stale.mkdir(parents=True)
+    (stale / "0.bin").write_bytes(b"x" * (1 << 20))
+    tier = (["offload=disk", "checkpointing=full", "offload.min_bytes=0"] if offload == "disk"
+            else [])
+    result = run_trainer([*QUICK, "data=synthetic", "train.steps=2", *tier,
+                          f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    check_ok(result)
+    assert not (run_dir / "offload" / "rank1").exists()
+    assert ("removed the offload files of processes that ended without removing them: "
+            f"{stale}") in result.stdout + result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,6 +167,21 @@ def test_saved_on_two_ranks_resumed_on_one(tmp_path) -> None:
         assert ours[step] == pytest.approx(theirs[step], rel=1e-4), step
 
 
+def test_the_resume_line_says_the_data_order_once(tmp_path) -> None:
+    """Issue 27 item 11: 2 ranks -> 1 without train.global_batch_size halves the global batch;
+    the line says the data order differs, and not also that it is unchanged."""
+    run = [*QUICK, "train.steps=3", "save.every=1", f"hydra.run.dir={tmp_path}"]
+    assert run_trainer([*run, "train.stop_at_step=1"], REPO, nproc=2,
+                       launcher="launch.run").returncode == PREEMPTED
+    resumed = run_trainer(run, REPO, nproc=1)
+    check_ok(resumed)
+    line = next(line for line in (resumed.stdout + resumed.stderr).splitlines()
+                if "resumed from" in line)
+    assert "saved by 2 ranks, resumed on 1: model and optimizer are exact, dropout masks" in line
+    assert "global batch 8 x 64 tokens became 4 x 64: the data order from here differs" in line
+    assert "unchanged" not in line
+
+
 def test_nan_step_is_skipped_and_a_spike_rolls_back(tmp_path) -> None:
     run = [*QUICK, "train.steps=16", "save.every=5", "faults.inject_nan_at=[3]",
            "faults.inject_spike_at=[13]", f"hydra.run.dir={tmp_path}"]
@@ -232,3 +248,46 @@ def test_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path) -> N
     assert "resumed from " + str(tmp_path / "checkpoints" / "step_00000002") in log
     assert step_losses(tmp_path) == step_losses(reference)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000004", "step_00000006"]
+
+
+def _wandb_history(run_dir: Path) -> list[list[tuple[int, dict]]]:
+    """Per W&B run file (one per start, in start order): (W&B step, {key: value}) per point."""
+    from tests.helpers import read_wandb_records
+
+    starts = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        points = []
+        for record in read_wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in record.history.item}
+                points.append((record.history.step.num, items))
+        starts.append(points)
+    return starts
+
+
+def test_replayed_steps_are_recorded_once_and_shown_by_wandb(tmp_path) -> None:
+    """Issue 27 item 10: the newest checkpoint is lost (a failed save, a damaged folder) and
+    the run resumes from an earlier one. metrics.jsonl keeps one record per step, the earlier
+    records of the replayed steps go to metrics.superseded.jsonl, and W&B gets the replayed
+    points after the earlier ones instead of dropping them."""
+    run = [*QUICK, "train.steps=6", "save.every=3", "logging.wandb=true",
+           f"hydra.run.dir={tmp_path}"]
+    check_ok(run_trainer(run, REPO))
+    first = step_losses(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000006")
+    resumed = run_trainer(run, REPO)
+    check_ok(resumed)
+    assert ("metrics.jsonl: the records of steps 4-6, from before this start, were moved to "
+            "metrics.superseded.jsonl") in resumed.stdout + resumed.stderr
+    records = read_metrics(tmp_path)
+    assert [m["step"] for m in records if "loss" in m] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in records if "val_loss" in m] == [0, 5, 6]
+    superseded = [json.loads(line) for line in
+                  (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in superseded if "loss" in m] == [4, 5, 6]
+    assert {m["step"]: m["loss"] for m in superseded if "loss" in m} == \
+        {s: first[s] for s in (4, 5, 6)} == {s: step_losses(tmp_path)[s] for s in (4, 5, 6)}
+    before, after = _wandb_history(tmp_path)
+    assert min(step for step, _ in after) > max(step for step, _ in before)
+    assert sorted(p["opt_step"] for _, p in after if "loss" in p) == [4, 5, 6]

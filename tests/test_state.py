@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -122,8 +124,27 @@ def test_keeps_the_newest_committed_and_never_the_torn(tmp_path) -> None:
     assert [s for s, _ in list_checkpoints(root)] == [5, 3]
 
 
-@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete the marker"])
+def _rewrite(folder: str, name: str, data: bytes) -> None:
+    """Replace a file and its size and checksum in COMMITTED.json: damage the checksums miss."""
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+    with open(os.path.join(folder, COMMIT)) as f:
+        commit = json.load(f)
+    commit["files"][name] = [len(data), zlib.crc32(data)]
+    with open(os.path.join(folder, COMMIT), "w") as f:
+        json.dump(commit, f)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete the marker",
+                                    "state.json not JSON", "rng file a pickled object"])
 def test_damaged_newest_checkpoint_is_skipped_with_its_name(tmp_path, damage, caplog) -> None:
+    """Issue 27 item 8 adds the last two: files matching their checksums, yet not what they
+    should be, are named and skipped like any other damage."""
     root = str(tmp_path)
     saved = spawn(_save_steps, 2, root, [1, 2], 3, False)[0]
     newest = checkpoint_path(root, 2)
@@ -138,9 +159,15 @@ def test_damaged_newest_checkpoint_is_skipped_with_its_name(tmp_path, damage, ca
     elif damage == "truncate":
         os.truncate(shard, os.path.getsize(shard) - 1)
         expected = "__1_0.distcp has"
-    else:
+    elif damage == "delete the marker":
         os.remove(os.path.join(newest, COMMIT))
         expected = "no COMMITTED.json"
+    elif damage == "state.json not JSON":
+        _rewrite(newest, "state.json", b'{"progress": {step: 2}}')
+        expected = "state.json cannot be read as JSON (Expecting property name"
+    else:
+        _rewrite(newest, "rng/rank0.pt", pickle.dumps(_Payload()))
+        expected = "rng/rank0.pt names posix.system, which generator states never hold"
     assert expected in verify(newest)
 
     model, optimizer = _model_and_optimizer(1)
@@ -150,6 +177,7 @@ def test_damaged_newest_checkpoint_is_skipped_with_its_name(tmp_path, damage, ca
         loaded = checkpointer.load_latest(model, optimizer)
     assert loaded.path == checkpoint_path(root, 1)
     assert f"checkpoint {newest} skipped: {expected}" in caplog.text
+    assert "weights_only" not in caplog.text  # never the advice to turn the safety off
     state = model.state_dict()
     assert all(torch.equal(state[k], saved[0][k]) for k in saved[0])
 
@@ -186,3 +214,22 @@ def test_export_writes_the_full_model_as_safetensors(tmp_path) -> None:
         f.write(" ")
     with pytest.raises(SystemExit, match="state.json has"):
         export_main([str(run / "checkpoints" / "step_00000001"), "--out", str(tmp_path / "x")])
+
+
+def test_a_second_ctrl_c_during_a_save_stops_at_once_and_removes_the_torn_folder(
+        tmp_path, monkeypatch) -> None:
+    """Issue 27 item 6: DCP wraps the KeyboardInterrupt of a second Ctrl-C in its own
+    exception; it is a stop at once (exit 130 at the entry point), not a failed save (74)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    model, optimizer = _model_and_optimizer(1)
+    checkpointer = Checkpointer(str(tmp_path), keep=2, async_save=False, rank=0, world_size=1,
+                                device=torch.device("cpu"))
+    checkpointer.save(1, model, optimizer, _state(1))
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.save(2, model, optimizer, _state(2))
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [1]  # the torn folder is gone

@@ -3,56 +3,30 @@ the console log is the log (issue 13's second half)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pty
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-from tests.helpers import QUICK, free_port, read_metrics, step_losses, subprocess_env
+import pytest
 
-LONG_RUN = QUICK + ["data=synthetic", "train.steps=400", "save.every=0", "train.eval_every=400"]
-
-
-def _start(overrides: list[str], cwd: Path, nproc: int = 1, **kwargs) -> subprocess.Popen:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trainer", *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m",
-               "trainer", *overrides]
-    return subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(), text=True, **kwargs)
-
-
-def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the run ended early"
-        if (run_dir / "metrics.jsonl").exists() and any(
-                m.get("step", 0) >= step and "loss" in m for m in read_metrics(run_dir)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached")
-
-
-def _committed_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.parent.name[len("step_"):])
-                  for p in (run_dir / "checkpoints").glob("step_*/COMMITTED.json"))
-
+from tests.helpers import (LONG_RUN, QUICK, committed_steps, start_trainer, step_losses,
+                           wait_for_step)
 
 def test_ctrl_c_finishes_the_step_saves_and_exits(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    process = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _wait_for_step(run_dir, 3, process)
+    process = start_trainer(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_step(run_dir, 3, process)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in out + err and "Ctrl-C: finishing this step and saving" in err
     last = max(step_losses(run_dir))
-    assert _committed_steps(run_dir) == [last]  # every finished step is in the checkpoint
+    assert committed_steps(run_dir) == [last]  # every finished step is in the checkpoint
     assert f"stopping (Ctrl-C): saved step {last}" in out
     assert not (run_dir / "preempted.json").exists()  # no launcher should start it again
 
@@ -60,10 +34,10 @@ def test_ctrl_c_finishes_the_step_saves_and_exits(tmp_path) -> None:
 def test_second_ctrl_c_stops_at_once(tmp_path) -> None:
     run_dir = tmp_path / "run"
     # A slow step (a big micro-batch) so the second Ctrl-C lands inside it.
-    process = _start(LONG_RUN + ["train.micro_batch_size=64", "data.seq_len=256",
-                                 f"hydra.run.dir={run_dir}"], tmp_path,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _wait_for_step(run_dir, 1, process)
+    process = start_trainer(LONG_RUN + ["train.micro_batch_size=64", "data.seq_len=256",
+                                        f"hydra.run.dir={run_dir}"], tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_step(run_dir, 1, process)
     process.send_signal(signal.SIGINT)
     time.sleep(0.05)
     process.send_signal(signal.SIGINT)
@@ -72,47 +46,88 @@ def test_second_ctrl_c_stops_at_once(tmp_path) -> None:
     assert err.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
 
 
+def test_second_ctrl_c_during_the_save_stops_at_once(tmp_path) -> None:
+    """Issue 27 item 6: the second Ctrl-C lands while the step's checkpoint is written (a
+    model of ~30M parameters: its save takes about a second). Status 130 and the stop-at-once
+    line, not 74 and a line blaming save.dir; the torn folder is removed."""
+    run_dir = tmp_path / "run"
+    bigger = ["model.dim=512", "model.n_layers=8", "model.ffn_hidden=1536", "model.n_heads=8",
+              "model.n_kv_heads=8", "train.micro_batch_size=1", "data.seq_len=32"]
+    process = start_trainer(LONG_RUN + bigger + [f"hydra.run.dir={run_dir}"], tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_step(run_dir, 1, process, timeout=300)
+    process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not list((run_dir / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
+        time.sleep(0.005)  # the save has begun once its folder exists
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in out + err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
+    assert "save.dir" not in err and list((run_dir / "checkpoints").iterdir()) == []
+
+
 def test_ctrl_c_under_torchrun_saves_every_finished_step(tmp_path) -> None:
     """A terminal's Ctrl-C reaches the agent and both workers; the agent forwards it again. The
     workers finish their step and save it together; the echo is not a second Ctrl-C."""
     run_dir = tmp_path / "run"
-    agent = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    _wait_for_step(run_dir, 3, agent)
+    agent = start_trainer(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    wait_for_step(run_dir, 3, agent)
     os.killpg(agent.pid, signal.SIGINT)  # what the terminal does: the whole process group
     out, err = agent.communicate(timeout=120)
     last = max(step_losses(run_dir))
-    assert _committed_steps(run_dir) == [last], err[-3000:]
+    assert committed_steps(run_dir) == [last], err[-3000:]
     assert f"stopping (Ctrl-C): saved step {last}" in out + err
     assert "interrupted: stopped at once" not in err
 
 
-def test_workers_stop_and_save_when_torchrun_is_killed(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    agent = _start(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   start_new_session=True)
-    _wait_for_step(run_dir, 3, agent)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)],
-                                              capture_output=True, text=True).stdout.split()]
-    assert len(workers) == 2
-    agent.kill()  # kill -9: the agent can neither stop nor signal its workers
-    agent.wait()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in workers), "orphaned workers kept training"
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "launch.run"])
+def test_workers_stop_and_save_when_torchrun_is_killed(tmp_path, launcher) -> None:
+    """kill -9 of the agent: its workers save, say so and exit 75, without a traceback from
+    the agent's store, which died with it (issue 27, item 4)."""
+    run_dir, output = tmp_path / "run", tmp_path / "console.txt"
+    with open(output, "w") as console, _reaping_orphans():
+        agent = start_trainer(LONG_RUN + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2,
+                              launcher=launcher, stdout=console, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+        wait_for_step(run_dir, 3, agent)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)],
+                                                  capture_output=True, text=True).stdout.split()]
+        assert len(workers) == 2
+        agent.kill()  # kill -9: the agent can neither stop nor signal its workers
+        agent.wait()
+        # The workers are handed to this process (a subreaper), which learns their status.
+        statuses = [_wait_status(pid, timeout=60) for pid in workers]
+    text = output.read_text()
+    assert statuses == [75, 75], text[-3000:]
+    assert "Traceback" not in text and "DistNetworkError" not in text, text[-3000:]
     # They noticed within seconds, finished their step and saved it together.
-    assert _committed_steps(run_dir) == [max(step_losses(run_dir))]
-    assert max(step_losses(run_dir)) < 400
+    last = max(step_losses(run_dir))
+    assert committed_steps(run_dir) == [last] and last < 400
+    assert f"saved step {last}; exiting with status 75" in text
 
 
-def _alive(pid: int) -> bool:
+@contextlib.contextmanager
+def _reaping_orphans():
+    """Orphaned descendants come to this process instead of init while inside (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
+        yield
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+
+
+def _wait_status(pid: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"worker {pid} kept running after its agent was killed")
 
 
 def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
@@ -120,9 +135,9 @@ def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
     evaluation and the closing summary."""
     run_dir = tmp_path / "run"
     leader, follower = pty.openpty()
-    process = _start(QUICK + ["data=synthetic", "train.steps=3", "logging.progress=true",
-                              "logging.wandb=true", f"hydra.run.dir={run_dir}"], tmp_path,
-                     stdout=follower, stderr=follower)
+    process = start_trainer(QUICK + ["data=synthetic", "train.steps=3", "logging.progress=true",
+                                     "logging.wandb=true", f"hydra.run.dir={run_dir}"],
+                            tmp_path, stdout=follower, stderr=follower)
     os.close(follower)
     console = b""
     while True:

@@ -51,7 +51,7 @@ def _run(cfg: DictConfig) -> None:
         # CheckpointError: once a checkpoint meets the built model; RunDirBusy: another live
         # run holds the directory; ValueError: our own messages start with the setting.
         key = {BudgetError: "checkpointing.budget", CheckpointError: "save.resume",
-               RunDirBusy: "train.run_name"}.get(type(exc))
+               RunDirBusy: getattr(exc, "setting", None)}.get(type(exc))
         if _debug() or (type(exc) is ValueError and setting_of(str(exc)) is None):
             raise
         error = exc if isinstance(exc, ConfigError) else (
@@ -93,12 +93,44 @@ def _debug() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
+def _claim_run_dir(argv: list[str]) -> None:
+    """Rank 0 locks the run directory before Hydra writes its .hydra/ files and train.log
+    there: a run refused because another holds the directory writes nothing into it."""
+    if cli.world_from_env(os.environ)[0] != 0:
+        return
+    located = cli.run_dir_of(argv)
+    if located is None:
+        return
+    from trainer.state.ownership import RunDirBusy, claim
+
+    try:
+        claim(*located)
+    except RunDirBusy as exc:
+        print(f"error: {exc.setting}: {exc}", file=sys.stderr, flush=True)
+        cli.exit_after_error()
+
+
+def _exit_now(status: int) -> None:
+    """Exit without the interpreter's teardown: collecting a trained model's objects takes a
+    second or more, which a second Ctrl-C asked not to wait for. Exit handlers (W&B's among
+    them) still run, and every file is flushed first."""
+    import atexit
+    import logging
+
+    logging.shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if cli.preflight(argv):
         cli.exit_after_error()
     register_schema()
     register_resolver()
+    _claim_run_dir(argv)
     sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)
     try:
         _run()
@@ -108,7 +140,7 @@ def main() -> None:
         if cli.world_from_env(os.environ)[0] == 0:
             print("\ninterrupted: stopped at once, without saving; the checkpoints written so "
                   "far are kept", file=sys.stderr, flush=True)
-        sys.exit(130)
+        _exit_now(130)
     if "torch.distributed" in sys.modules:  # a sweep kept its process group for all its jobs
         from trainer.distenv import shutdown
 

@@ -30,7 +30,7 @@ from checkpointing.profile import (BlockProfile, profile_blocks, trace_on_meta,
 from checkpointing.saved import SavedBytesMeter
 from checkpointing.wrap import apply_checkpointing, resolve_ops
 from trainer.distenv import DistEnv
-from offload.apply import apply_offload, build_offloader, offload_dir
+from offload.apply import apply_offload, build_offloader, offload_dir, remove_stale_offload
 from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
@@ -320,6 +320,11 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
                         meter=None if cfg.train.compile else meter)
     compiled = (compile_blocks(blocks, plan, cfg.train.compile_backend)
                 if cfg.train.compile else 0)
+    if denv.local_rank == 0:  # this host's leftovers of any earlier start, kill -9 included
+        removed = remove_stale_offload(o.dir, run_dir, denv.world_size)
+        if removed:
+            log.warning("removed the offload files of processes that ended without removing "
+                        "them: %s", ", ".join(removed))
     offloader = build_offloader(o.target, denv.device, o.min_bytes, o.max_host_bytes,
                                 offload_dir(o.dir, run_dir, denv.rank),
                                 o.max_inflight_bytes, denv.is_main, o.trim_heap)

@@ -221,6 +221,30 @@ def report(exc: ConfigError, env: Mapping[str, str] = os.environ) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def run_dir_of(argv: Sequence[str]) -> Optional[tuple[str, str]]:
+    """(the run directory Hydra will use, the setting that names it) for a single run; None
+    for a sweep, a Hydra flag, or a directory that cannot be resolved before Hydra runs."""
+    if any(a in _MULTIRUN_FLAGS or a in _HYDRA_FLAGS_WITHOUT_RUN for a in argv):
+        return None
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="conf", version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=overrides,
+                                return_hydra_config=True)
+        run_dir = str(cfg.hydra.run.dir)
+    except Exception:  # e.g. a resolver only Hydra's run registers: its own check, later
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+    named = any(o.startswith("hydra.run.dir=") for o in overrides)
+    return os.path.abspath(run_dir), "hydra.run.dir" if named else "train.run_name"
+
+
 def hydra_argv(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> list[str]:
     """Hydra's own arguments; other ranks write no config dump and no log file."""
     rank, _, _ = world_from_env(env)

@@ -54,10 +54,17 @@ def read_env(device_choice: str, env: Mapping[str, str] = os.environ) -> DistEnv
                    device=pick_device(device_choice, local_rank))
 
 
+# The torchrun agent that started this worker (None outside torchrun): see _store_is_gone.
+_launcher_pid = None
+
+
 def init_distributed(denv: DistEnv, timeout_s: int) -> None:
     """gloo for CPU tensors always; NCCL as well when the device is a GPU."""
+    global _launcher_pid
     if dist.is_initialized():
         return
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _launcher_pid = os.getppid()
     timeout = timedelta(seconds=timeout_s)
     if denv.device.type == "cuda":
         torch.cuda.set_device(denv.device)
@@ -87,7 +94,8 @@ def shutdown(clean: bool = True, destroy: bool = True) -> None:
             # barrier can return on one rank while its last message to a peer is in flight, so
             # the ranks also meet on the store, which does not use those pairs.
             dist.barrier()
-            _meet_on_store(timeout_s=60.0)
+            if not _store_is_gone():
+                _meet_on_store(timeout_s=60.0)
         if destroy or not clean:
             dist.destroy_process_group()
 
@@ -99,6 +107,15 @@ def mean_over_ranks(value: torch.Tensor) -> float:
         dist.all_reduce(value)  # gloo has no AVG: sum, then divide
         value /= dist.get_world_size()
     return value.item()
+
+
+def _store_is_gone() -> bool:
+    """Whether the agent that hosts this group's store was killed: torchrun's workers share
+    its store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (then rank 0 hosts it). Asking a dead
+    store raises, after C++ has printed its own warning, so it is not asked at all."""
+    if _launcher_pid is None or os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return False
+    return os.getppid() != _launcher_pid
 
 
 def _meet_on_store(timeout_s: float) -> None:

@@ -48,6 +48,10 @@ class PreemptionSignal:
         self.received: Optional[str] = None
         self.announce = announce
         self.watching = watch_launcher
+        # A terminal's Ctrl-C reaches this worker as well as the agent, which passes it on
+        # again, only where the two share a process group: torchrun starts each worker in a
+        # session of its own, and then a second SIGINT is always the user's second Ctrl-C.
+        self._echoes = watch_launcher and _same_process_group_as_parent()
         self._first_sigint = 0.0
         self._previous = {}
         names = ["SIGTERM", "SIGINT"] + ([extra] if extra and extra not in ("SIGTERM", "SIGINT")
@@ -64,9 +68,9 @@ class PreemptionSignal:
     def _handle(self, number: int, frame: object) -> None:
         name = signal.Signals(number).name
         if name == "SIGINT" and self.received == "SIGINT":
-            # Under torchrun a Ctrl-C reaches a worker twice: from the terminal and, a moment
-            # later, forwarded by the agent. Only a later one is the user's second Ctrl-C.
-            if not (self.watching and time.monotonic() - self._first_sigint < ECHO_WINDOW_S):
+            # Where a Ctrl-C reaches a worker twice (from the terminal and, a moment later,
+            # from the agent: see _echoes), only a later one is the user's second Ctrl-C.
+            if not (self._echoes and time.monotonic() - self._first_sigint < ECHO_WINDOW_S):
                 raise KeyboardInterrupt  # the second Ctrl-C: stop now
             return
         if name == "SIGINT":
@@ -87,6 +91,13 @@ class PreemptionSignal:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
+
+
+def _same_process_group_as_parent() -> bool:
+    try:
+        return os.getpgid(0) == os.getpgid(os.getppid())
+    except OSError:
+        return False
 
 
 class StopVote:

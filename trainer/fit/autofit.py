@@ -186,9 +186,10 @@ def no_fit_message(cfg: Config, scenario: Scenario, evaluator: Evaluator, capaci
     text = (f"{gib(capacity)} per rank is too small for {what}: the least that fits is "
             f"{gib(least[0])} (micro-batch {least[1]})")
     others = alternatives(cfg, at_micro_batch(scenario, smallest), evaluator, capacity)
-    if others:
-        text += "; it would fit with " + " or ".join(others)
-    return text + "; raise train.memory_gib or change one of these"
+    if not others:  # "change one of these" would point at nothing
+        return text + "; raise train.memory_gib (no other setting tried makes it fit)"
+    return (text + "; it would fit with " + " or ".join(others)
+            + "; raise train.memory_gib or change one of these")
 
 
 def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,

@@ -71,6 +71,56 @@ def device_used_bytes(device: torch.device) -> Optional[int]:
     return None
 
 
+METRICS = "metrics.jsonl"
+SUPERSEDED = "metrics.superseded.jsonl"
+
+
+def _is_measurement(record: dict) -> bool:
+    """A step's values (which a replay records again), not an event (an alert, a skipped step,
+    a rollback: those happened, and stay)."""
+    return "loss" in record or "val_loss" in record
+
+
+def set_aside_replayed(run_dir: str, through_step: int) -> Optional[str]:
+    """Move the measurements of steps after `through_step` from metrics.jsonl to the end of
+    metrics.superseded.jsonl: the run is about to record those steps again, and a step keeps
+    one record. Returns what was done, in a line (None when nothing was superseded)."""
+    path = os.path.join(run_dir, METRICS)
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return None
+    kept, superseded = [], []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut by a kill: nothing to keep
+            superseded.append(line if line.endswith("\n") else line + "\n")
+            continue
+        later = record.get("step", -1) > through_step and _is_measurement(record)
+        (superseded if later else kept).append(line)
+    if not superseded:
+        return None
+    with open(os.path.join(run_dir, SUPERSEDED), "a") as f:
+        f.writelines(superseded)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    steps = sorted({json.loads(line).get("step", -1) for line in superseded if _parses(line)})
+    span = f"steps {steps[0]}-{steps[-1]}" if steps else "a cut line"
+    return (f"{METRICS}: the records of {span}, from before this start, were moved to "
+            f"{SUPERSEDED}; those steps run again and are recorded once")
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
 class RunLogger:
     def __init__(self, run_dir: Optional[str], total_steps: int, progress: bool,
                  wandb_run=None, first_step: int = 0):
@@ -84,9 +134,15 @@ class RunLogger:
         self.start_step = 0
         self._file = None
         self._bar = None
+        self.run_dir = run_dir
         if not self.enabled:
             return
-        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        # A start at step 0 replays everything an earlier start recorded, a resume what came
+        # after its checkpoint (a later one failed or was damaged).
+        replayed = set_aside_replayed(run_dir, first_step if first_step > 0 else -1)
+        if replayed:
+            log.info(replayed)
+        self._file = open(os.path.join(run_dir, METRICS), "a", buffering=1)
         self._redirect = contextlib.ExitStack()
         if progress:
             from tqdm import tqdm
@@ -123,6 +179,17 @@ class RunLogger:
             if wandb_step is not None:
                 logged["opt_step"] = metrics["step"]
             self.wandb.log(logged, step=metrics["step"] if wandb_step is None else wandb_step)
+
+    def rewind(self, step: int) -> None:
+        """Back to `step` within the run (a rollback): the steps after it run again, and their
+        earlier measurements are set aside as at a resume."""
+        if not self.enabled:
+            return
+        self._file.close()
+        replayed = set_aside_replayed(self.run_dir, step)
+        if replayed:
+            log.info(replayed)
+        self._file = open(os.path.join(self.run_dir, METRICS), "a", buffering=1)
 
     def alert(self, kind: str, step: int, text: str, level: str, sent: bool,
               wandb_step: Optional[int] = None) -> None:

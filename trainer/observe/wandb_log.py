@@ -15,7 +15,7 @@ import threading
 import uuid
 from typing import Any, Optional
 
-from trainer.state.ownership import RUN_ID_FILE
+from trainer.state.ownership import RUN_ID_FILE, WANDB_STEP_FILE
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,43 @@ def _call_with_deadline(fn, timeout_s: float) -> tuple[bool, Any]:
     return True, box.get("result")
 
 
+def _read_step(path: Optional[str]) -> int:
+    try:
+        with open(path) as f:  # type: ignore[arg-type]
+            return int(f.read().strip())
+    except (TypeError, OSError, ValueError):
+        return -1
+
+
 class WandbLogger:
-    def __init__(self, run: Any, offline: bool = False):
+    def __init__(self, run: Any, offline: bool = False, step_file: Optional[str] = None):
         self.run = run
         self.offline = offline
         self.run_dir = getattr(run, "dir", None)  # <run dir>/wandb/<offline-run-...>/files
+        self._step_file = step_file
+        self._last = _read_step(step_file)  # the highest step any start logged (-1: none)
+        self._offset: Optional[int] = None  # decided at the first step this start logs
+
+    def _at(self, step: int) -> int:
+        """The W&B step for the run's own step (batches read): W&B keeps only growing steps
+        in a run, and drops the rest. A start that replays steps an earlier one logged (a
+        resume from an earlier checkpoint) logs them after those, shifted by a constant;
+        `opt_step` still says which optimizer step each point is."""
+        if self._offset is None:
+            self._offset = max(0, self._last + 1 - step)
+            if self._offset:
+                log.info("W&B: this start replays steps an earlier one logged; its points "
+                         "come after those (W&B step = batches read + %d; opt_step is the "
+                         "optimizer step)", self._offset)
+        step += self._offset
+        if step > self._last and self._step_file:
+            self._last = step
+            try:
+                with open(self._step_file, "w") as f:
+                    f.write(str(step))
+            except OSError:
+                pass  # only a later replay's placement depends on it
+        return step
 
     @classmethod
     def start(cls, run_dir: str, config: dict, project: str, entity: Optional[str],
@@ -90,7 +122,8 @@ class WandbLogger:
         with open(id_path, "w") as f:
             f.write(run_id)
         log.info("W&B %s run %s in %s", mode, run_id, run_dir)
-        return cls(run, offline=mode == "offline")
+        return cls(run, offline=mode == "offline",
+                   step_file=os.path.join(run_dir, WANDB_STEP_FILE))
 
     def sync_command(self) -> Optional[str]:
         """For an offline run: the command that uploads it, every start of it (each start, e.g.
@@ -105,7 +138,7 @@ class WandbLogger:
 
     def log(self, metrics: dict, step: int) -> None:
         try:
-            self.run.log(metrics, step=step)
+            self.run.log(metrics, step=self._at(step))
         except Exception as exc:
             log.warning("W&B log failed (%s); disabling W&B for this run", exc)
             self.run = None
@@ -143,7 +176,7 @@ class WandbLogger:
                     columns = list(value[0])
                     logged[key] = wandb.Table(columns=columns,
                                               data=[[r.get(c) for c in columns] for r in value])
-            self.run.log(logged, step=step)
+            self.run.log(logged, step=self._at(step))
         except Exception as exc:
             log.warning("W&B media %s failed (%s)", ", ".join(fields), exc)
 
@@ -171,7 +204,7 @@ class WandbLogger:
             columns = list(rows[0])
             self.run.log({key: wandb.Table(columns=columns,
                                            data=[[r[c] for c in columns] for r in rows])},
-                         step=step)
+                         step=self._at(step))
         except Exception as exc:
             log.warning("W&B table %s failed (%s)", key, exc)
 

@@ -114,6 +114,7 @@ def bad_step(verdict: Verdict, step: int, progress: Progress, checkpointer, mode
                     "was skipped")
         return progress
     guard.reset()
+    logger.rewind(restored.step)
     logger.record({"step": restored.step, "rollback_from_step": step,
                    "rollbacks": restored.rollbacks, "reason": verdict.reason},
                   wandb_step=progress.batch_index)

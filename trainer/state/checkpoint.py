@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import shutil
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -32,13 +31,15 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.state.integrity import (COMMIT, STATE, Damaged, manifest, read_rng, read_state,
+                                     verify)
 from trainer.state.meta import SafeReader, UnsafeMetadata, shape_mismatches
-from trainer.state.save_errors import looks_full, save_failure
+from trainer.state.save_errors import looks_full, save_failure, was_interrupted
+
+__all__ = ["COMMIT", "STATE", "Checkpointer", "CheckpointError", "verify"]
 
 log = logging.getLogger("trainer")
 
-COMMIT = "COMMITTED.json"
-STATE = "state.json"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -57,19 +58,6 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     found = [(int(m.group(1)), os.path.join(root, name))
              for name in os.listdir(root) if (m := _NAME.match(name))]
     return sorted(found, reverse=True)
-
-
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _manifest(folder: str, names: list[str]) -> dict[str, list[int]]:
-    return {name: [os.path.getsize(os.path.join(folder, name)),
-                   _crc32(os.path.join(folder, name))] for name in names}
 
 
 def _own_files(folder: str, rank: int) -> list[str]:
@@ -109,27 +97,6 @@ def clear_stopped(run_dir: str) -> None:
         os.remove(os.path.join(run_dir, STOPPED_MARKER))
     except FileNotFoundError:
         pass
-
-
-def verify(folder: str) -> Optional[str]:
-    """None if `folder` is a complete, intact checkpoint; else why not (one line)."""
-    marker = os.path.join(folder, COMMIT)
-    if not os.path.exists(marker):
-        return f"no {COMMIT} (the save did not finish)"
-    try:
-        with open(marker) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as error:
-        return f"unreadable {COMMIT}: {error}"
-    for name, (size, crc) in sorted(files.items()):
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            return f"{name} is missing"
-        if os.path.getsize(path) != size:
-            return f"{name} has {os.path.getsize(path)} bytes, {size} were written"
-        if _crc32(path) != crc:
-            return f"{name} does not match its checksum"
-    return None
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -189,8 +156,14 @@ class Checkpointer:
         self._barrier()
         try:
             self._save(step, folder, model, optimizer, state)
-        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
             self._pending = None
+            if was_interrupted(error):  # a second Ctrl-C: stop at once, as asked
+                if self.rank == 0:  # not waiting for the others: they may be stopping too
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise KeyboardInterrupt from None
+            if not isinstance(error, (Exception, CheckpointException)):
+                raise
             raise self._failed(error, step, folder) from None
 
     def _save(self, step: int, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -226,7 +199,7 @@ class Checkpointer:
         # On the writer thread for async saves: hashing is I/O, keep it off the training thread.
         if done is not None and done.exception() is not None:
             return
-        self._files = _manifest(folder, _own_files(folder, self.rank))
+        self._files = manifest(folder, _own_files(folder, self.rank))
 
     def local_done(self) -> bool:
         """This rank has nothing pending, or its pending write finished (for the step's vote)."""
@@ -258,7 +231,7 @@ class Checkpointer:
                 raise self._failed(error, step, folder) from None
         files = self._gather(self._files or {})
         if self.rank == 0:
-            files.update(_manifest(folder, [".metadata", STATE]))
+            files.update(manifest(folder, [".metadata", STATE]))
             write_atomic(os.path.join(folder, COMMIT),
                           json.dumps({"step": step, "world_size": self.world_size,
                                       "files": files}, indent=1, sort_keys=True))
@@ -332,12 +305,14 @@ class Checkpointer:
                 "the config it was saved with, or start over with save.resume=false") from None
         set_state_dict(model, optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])
-        with open(os.path.join(folder, STATE)) as f:
-            state = json.load(f)
-        rng_file = os.path.join(folder, "rng", f"rank{self.rank}.pt")
-        rng_restored = os.path.exists(rng_file)
-        if rng_restored:
-            _set_rng_state(torch.load(rng_file, weights_only=True), self.device)
+        rng_name = f"rng/rank{self.rank}.pt"
+        rng_restored = os.path.exists(os.path.join(folder, rng_name))
+        try:  # checked by verify on rank 0 already; this rank may see another file system
+            state = read_state(folder)
+            if rng_restored:
+                _set_rng_state(read_rng(folder, rng_name), self.device)
+        except Damaged as error:
+            raise CheckpointError(f"checkpoint {folder}: {error}") from None
         step = int(os.path.basename(folder)[len("step_"):])
         self.last_committed = step
         return Loaded(folder, state, rng_restored)

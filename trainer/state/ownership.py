@@ -27,16 +27,24 @@ LOCK_FILE = ".lock"
 # state.py's stop marker).
 # The W&B run id of this run directory, reused by a restarted run (trainer/observe/wandb_log.py).
 RUN_ID_FILE = "wandb_run_id"
-HISTORY = ("metrics.jsonl", RUN_ID_FILE, "preempted.json")
+# The highest W&B step logged in this run directory: a replay is logged after it.
+WANDB_STEP_FILE = "wandb_step"
+HISTORY = ("metrics.jsonl", "metrics.superseded.jsonl", RUN_ID_FILE, WANDB_STEP_FILE,
+           "preempted.json")
 
 
 class RunDirBusy(RuntimeError):
-    """Another live process holds the run directory."""
+    """Another live process holds the run directory; `setting` is what names the directory."""
+
+    def __init__(self, message: str, setting: str = "train.run_name") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 class RunLock:
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, setting: str = "train.run_name") -> None:
         self.path = os.path.join(run_dir, LOCK_FILE)
+        self.setting = setting  # how the user named the directory, for the refusal
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:
@@ -50,7 +58,7 @@ class RunLock:
                 f"run directory {os.path.dirname(self.path)} is in use by pid "
                 f"{holder.get('pid', '?')} on {holder.get('host', '?')} (started "
                 f"{holder.get('started', '?')}); wait for that run, or start this one under "
-                "another train.run_name") from None
+                f"another {self.setting}", self.setting) from None
         except OSError as exc:  # a file system without locks (Lustre mounted without flock)
             os.close(fd)
             log.warning("cannot lock the run directory %s (%s): a second run started on it "
@@ -107,6 +115,20 @@ def _fresh(path: str) -> str:
     return path + (f"-{suffix}" if suffix else "")
 
 
+# Run directories this process locked before Hydra wrote into them (see claim), by real path.
+_claimed: dict[str, RunLock] = {}
+
+
+def claim(run_dir: str, setting: str) -> None:
+    """Lock the run directory before anything is written into it (Hydra's .hydra/ files and
+    train.log come before the run starts): a refused run must not touch a live run's records.
+    Raises RunDirBusy; own_run_dir takes the lock over."""
+    os.makedirs(run_dir, exist_ok=True)
+    lock = RunLock(run_dir, setting)
+    lock.acquire()
+    _claimed[os.path.realpath(run_dir)] = lock
+
+
 def own_run_dir(run_dir: str, is_main: bool, fresh_start: bool,
                 checkpoint_dir: str) -> Optional[RunLock]:
     """Rank 0 locks the run directory (every rank learns whether it could) and, for a fresh
@@ -115,9 +137,11 @@ def own_run_dir(run_dir: str, is_main: bool, fresh_start: bool,
 
     lock, outcome = None, [None]
     if is_main:
-        lock = RunLock(run_dir)
+        lock = _claimed.pop(os.path.realpath(run_dir), None)
         try:
-            lock.acquire()
+            if lock is None:
+                lock = RunLock(run_dir)
+                lock.acquire()
             if fresh_start:
                 moved = set_aside(run_dir, checkpoint_dir)
                 if moved:
@@ -129,5 +153,5 @@ def own_run_dir(run_dir: str, is_main: bool, fresh_start: bool,
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise RunDirBusy(outcome[0])
+        raise RunDirBusy(outcome[0], lock.setting if lock is not None else "train.run_name")
     return lock

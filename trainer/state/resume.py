@@ -76,12 +76,15 @@ def resume(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.
     if not loaded.rng_restored:
         # Deterministic, but not what an uninterrupted run would have drawn.
         torch.manual_seed(cfg.train.seed + rank + 1_000_003 * progress.step)
+    same_batches = (state["global_batch_size"], state["seq_len"]) == (layout.global_batch_size,
+                                                                      cfg.data.seq_len)
     if state["world_size"] != layout.world_size:
+        # The data order is said once: unchanged here, or "differs" in the note below.
+        order = "the data order is unchanged, " if same_batches else ""
         notes.append(f"saved by {state['world_size']} ranks, resumed on {layout.world_size}: "
-                     "model and optimizer are exact, the data order is unchanged, dropout masks "
-                     "differ from an uninterrupted run")
-    if (state["global_batch_size"], state["seq_len"]) != (layout.global_batch_size,
-                                                          cfg.data.seq_len):
+                     f"model and optimizer are exact, {order}dropout masks differ from an "
+                     "uninterrupted run")
+    if not same_batches:
         notes.append(f"global batch {state['global_batch_size']} x {state['seq_len']} tokens "
                      f"became {layout.global_batch_size} x {cfg.data.seq_len}: the data order "
                      "from here differs from the original run's")

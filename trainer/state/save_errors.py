@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import Optional
+from typing import Iterator, Optional
 
 # sysexits' EX_IOERR: distinct from a configuration mistake (2), a preemption (75) and a crash
 # (1), so a launcher or a script can tell "the disk is full" apart.
@@ -17,8 +17,8 @@ class SaveFailed(RuntimeError):
     """A checkpoint could not be written; the message says what to do."""
 
 
-def is_no_space(error: BaseException) -> bool:
-    """ENOSPC (or a quota) anywhere in the error, its causes, or DCP's per-rank failures."""
+def _errors_in(error: BaseException) -> Iterator[BaseException]:
+    """The error, its causes, and DCP's per-rank failures, each once."""
     seen: set[int] = set()
     stack: list[BaseException] = [error]
     while stack:
@@ -26,13 +26,27 @@ def is_no_space(error: BaseException) -> bool:
         if id(exc) in seen:
             continue
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+        yield exc
         stack += [e for e in (exc.__cause__, exc.__context__) if e is not None]
         failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> error
-        if isinstance(failures, dict):
-            stack += [e for e in failures.values() if isinstance(e, BaseException)]
+        if isinstance(failures, dict):  # (error, its traceback) for each failed rank
+            for failure in failures.values():
+                first = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(first, BaseException):
+                    stack.append(first)
+
+
+def is_no_space(error: BaseException) -> bool:
+    """ENOSPC (or a quota) anywhere in the error, its causes, or DCP's per-rank failures."""
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+           for e in _errors_in(error)):
+        return True
     return "No space left on device" in str(error) or "Disk quota exceeded" in str(error)
+
+
+def was_interrupted(error: BaseException) -> bool:
+    """A Ctrl-C (KeyboardInterrupt) ended the save, maybe wrapped by DCP: not a failed save."""
+    return any(isinstance(e, KeyboardInterrupt) for e in _errors_in(error))
 
 
 def looks_full(path: str) -> bool:

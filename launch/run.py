@@ -1,0 +1,237 @@
+"""`python -m launch.run [torchrun's options] -m trainer [overrides]`, or `blocktrain-run`:
+torchrun, stopping the way a training run needs.
+
+The options are torchrun's own (its parser), and so are the rendezvous, the agent and the worker
+processes; only these differ:
+
+- Ctrl-C (SIGINT) and SIGTERM are passed to the workers, which finish their step, save and exit,
+  and the agent waits for that however long it takes. torchrun's agent SIGKILLs them once its
+  `--shutdown-timeout` (30 s) runs out, mid-step or mid-save on a large model.
+- A second Ctrl-C stops them at once: passed on again (each worker's own stop at once: a torn save
+  removed, one line), then SIGKILL for any still running STOP_AT_ONCE_S later (one blocked in a
+  collective cannot act on a signal before it returns). torchrun's workers run in their own
+  sessions, so only what the agent passes on reaches them.
+- The exit status is the workers' own: 0, 130 (Ctrl-C), 75 (saved and stopped), 74 (a save
+  failed), 2 (a setting), 1; nothing is printed besides their lines, except one line for a worker
+  killed by a signal (it could say nothing itself; exit 1). torchrun prints its SignalException
+  or ChildFailedError trace and exits 1.
+- A worker that exits with one of those deliberate statuses is not restarted under
+  --max-restarts: only crashes are.
+- TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless set: a restarted group otherwise can read the
+  previous attempt's addresses from the agent's store (pytorch#135712).
+`LOGLEVEL=INFO` (torch's own switch) shows the agent's log lines again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Optional, Sequence
+
+# How long the workers get to stop at once by themselves after a second Ctrl-C.
+STOP_AT_ONCE_S = 3.0
+# The trainer's exit statuses that are decisions, not faults: stopped by hand, stopped and saved,
+# a failed save, a setting. A restart would not change them.
+DELIBERATE = {2, 74, 75, 130}
+INTERRUPTED = 130
+# After one worker's deliberate exit, how long the others get to end by themselves before the
+# agent stops them: they take the same decision at the same step boundary, or a moment later
+# (trainer/cli.py's SILENT_RANK_EXIT_DELAY_S), unless they are waiting for the one that left.
+DELIBERATE_GRACE_S = 5.0
+AT_ONCE_LINE = ("interrupted: stopped at once, without saving; the checkpoints written so far "
+                "are kept")
+# torchrun's own loggers: what they say on a stop or a failure is said by the workers' lines and
+# this launcher's exit status.
+_TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run",
+                     "torch.distributed.launcher")
+
+
+class Group:
+    """What this launcher knows of its workers: the agent running them and the stop asked for."""
+
+    def __init__(self) -> None:
+        self.agent = None
+        self.stopping: Optional[signal.Signals] = None  # SIGINT or SIGTERM, once asked
+        self.at_once = False  # a second Ctrl-C
+        self.deliberate = False  # a worker ended with one of DELIBERATE
+        self.killed_rank0 = False  # rank 0 had to be SIGKILLed: it printed no line
+
+    def pids(self) -> dict[int, int]:
+        """local rank -> pid of the workers started now ({} before the first start)."""
+        context = getattr(self.agent, "_pcontext", None)
+        return dict(context.pids()) if context is not None else {}
+
+    def on_signal(self, number: int, frame: object) -> None:
+        pids = self.pids()
+        if not pids:  # still in the rendezvous: nothing started, nothing to save
+            raise KeyboardInterrupt
+        sig = signal.Signals(number)
+        if sig == signal.SIGINT and self.stopping == signal.SIGINT:
+            self.at_once = True
+            _send(pids.values(), signal.SIGINT)
+            self.killed_rank0 = self._kill_after(pids, STOP_AT_ONCE_S) or self.killed_rank0
+            return
+        self.stopping = self.stopping or sig
+        _send(pids.values(), sig)
+
+    def _kill_after(self, pids: dict[int, int], seconds: float) -> bool:
+        """SIGKILL the workers still running `seconds` from now; whether rank 0 was one."""
+        wait_for_exit(pids.values(), seconds)
+        running = [local for local, pid in pids.items() if not exited(pid)]
+        _send([pids[local] for local in running], signal.SIGKILL)
+        return 0 in running and self.group_rank() == 0
+
+    def group_rank(self) -> int:
+        group = getattr(self.agent, "_worker_group", None)
+        return getattr(group, "group_rank", 0) or 0
+
+    def install(self) -> None:
+        """Ours for SIGINT and SIGTERM, replacing what torchrun set when it started workers."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)
+
+
+def _send(pids, sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)  # each worker leads its own process group, as torchrun makes it
+        except ProcessLookupError:
+            pass
+
+
+def exited(pid: int) -> bool:
+    """Whether the worker has ended, without reaping it (the agent reads its status)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
+def wait_for_exit(pids, seconds: Optional[float]) -> None:
+    """Until every pid has ended, or `seconds` (None: no limit; signals still act meanwhile)."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while not all(exited(pid) for pid in pids):
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
+def agent_class(group: Group):
+    """torch's LocalElasticAgent, told what this launcher does differently."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            group.agent = self
+
+        def _start_workers(self, worker_group):
+            started = super()._start_workers(worker_group)
+            group.install()  # torchrun installed its own handlers as it started them
+            return started
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and (group.stopping or all(
+                    f.exitcode in DELIBERATE for f in result.failures.values())):
+                group.deliberate = True
+                self._remaining_restarts = 0  # a decision, not a fault: not restarted
+            return result
+
+        def _stop_workers(self, worker_group) -> None:
+            if group.stopping or group.deliberate:
+                # One worker has ended; the others are finishing their save or their own exit.
+                # Stopping by hand they get all the time they need (Ctrl-C again ends it).
+                wait_for_exit(group.pids().values(),
+                              None if group.stopping else DELIBERATE_GRACE_S)
+            super()._stop_workers(worker_group)
+
+    return Agent
+
+
+def status_of(failed, group: Group) -> int:
+    """The launcher's exit status for torch's ChildFailedError, and the line a killed worker
+    could not print."""
+    if group.at_once:
+        if group.killed_rank0:
+            print(AT_ONCE_LINE, file=sys.stderr, flush=True)
+        return INTERRUPTED
+    rank, first = failed.get_first_failure()
+    if first.exitcode > 0:
+        return first.exitcode  # the worker's own status; it printed its own line
+    name = first.signal_name()
+    print(f"error: rank {rank} (pid {first.pid}) was killed by {name}"
+          + ("; out of memory? (the kernel's OOM killer sends SIGKILL)"
+             if name == "SIGKILL" else ""), file=sys.stderr, flush=True)
+    return 1
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(_TORCHRUN_LOGGERS)
+
+
+def _quiet_torchrun() -> None:
+    if "LOGLEVEL" in os.environ:  # asked for torch's own logging
+        return
+    quiet = _Quiet()
+    # torch gives some of its loggers ("torch", "torch.distributed") handlers of their own.
+    names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
+    for handler in [h for n in names for h in logging.getLogger(n).handlers]:
+        handler.addFilter(quiet)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(quiet)
+
+
+def _without(signals: str, handled: Sequence[str]) -> str:
+    return ",".join(s for s in signals.split(",") if s.strip() and s.strip() not in handled)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    group = Group()
+    group.install()  # a Ctrl-C during the rendezvous stops at once
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher import api as launcher_api
+
+    _quiet_torchrun()
+    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if hasattr(args, "signals_to_handle"):  # ours are SIGINT and SIGTERM
+        args.signals_to_handle = _without(args.signals_to_handle, ("SIGINT", "SIGTERM"))
+    launcher_api.LocalElasticAgent = agent_class(group)  # launch_agent builds the agent by name
+    try:
+        torchrun.run(args)
+        status = 0
+    except ChildFailedError as failed:
+        status = status_of(failed, group)
+    except KeyboardInterrupt:
+        print(AT_ONCE_LINE, file=sys.stderr, flush=True)
+        status = INTERRUPTED
+    except SignalException as exc:  # SIGHUP, SIGQUIT, or one added with --signals-to-handle
+        print(f"error: stopped by {exc.sigval.name}; the workers were stopped",
+              file=sys.stderr, flush=True)
+        status = 128 + int(exc.sigval)
+    except Exception as exc:  # the rendezvous: a node that never came, an address in use
+        if "LOGLEVEL" in os.environ:
+            raise
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        hint = ("; not every node joined in time (--nnodes, --rdzv-endpoint, --rdzv-conf "
+                "join_timeout=...)" if type(exc).__name__ == "RendezvousTimeoutError" else "")
+        print(f"error: torchrun: {type(exc).__name__}" + (f": {first}" if first else "") + hint,
+              file=sys.stderr, flush=True)
+        status = 1
+    # Without the interpreter's teardown (torch's modules take most of a second to collect):
+    # the workers are gone, and a stopped group should hand the terminal back at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main()
