@@ -225,8 +225,8 @@ class Trainer:
             loss_fn = self._loss_for(index)  # faults.inject_*: a drill may slow or spoil it
             lr = self.scheduler.get_last_lr()[0]
             with self.collectives(f"step {step} (forward, backward, gradient reduction)"), \
-                    self.steplog.count_live_bytes(step, self.model, self.optimizer,
-                                                  micro_batches, index):
+                    self.steplog.measuring(step, self.model, self.optimizer, micro_batches,
+                                           index):
                 counts = self._global_counts(counts)
                 loss, grad_norm, verdict = train_step(
                     self.model, self.optimizer, self.scheduler, micro_batches,
