@@ -84,7 +84,7 @@ class StepLog:
         """The step's tokens: real ones (not padding) where the data counts them."""
         return self.shape.tokens if counts is None else counts[1]
 
-    def step(self, step: int, loss: float, grad_norm: torch.Tensor, lr: float,
+    def step(self, step: int, loss: float, grad_norm: float, lr: float,
              step_time: float, data_wait_s: float, tokens_seen: int, wandb_step: int,
              counts: Optional[tuple[int, int]] = None) -> None:
         """After a step that was applied; counts: (supervised, real) tokens of packed data."""
@@ -100,7 +100,7 @@ class StepLog:
                                            s.compiled_blocks)
             self.logger.info(startup_line(self._startup, s.compiled_blocks))
         if self.should_log(step):
-            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                        "tokens_per_s": tokens_per_s, "step_time_s": step_time,
                        "samples_per_s": self.shape.samples / step_time,
                        "data_wait_s": data_wait_s, "tokens_seen": tokens_seen,
