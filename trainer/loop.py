@@ -181,8 +181,7 @@ class Trainer:
         self.collectives = Collectives(denv.rank, t.dist_timeout_s, self._timed_out)
         self.saver = Saver(self.checkpointer, cfg.save.every, cfg.save.at_end, t.steps,
                            self.collectives)
-        self.stops = StopVote(self.preemption, self.checkpointer, self.device, t.stop_at_step,
-                              t.steps)
+        self.stops = StopVote(self.preemption, self.checkpointer, t.stop_at_step, t.steps)
 
     def _read_batch(self, index: int) -> tuple[list[Batch], Optional[tuple[int, int]]]:
         """This rank's micro-batches of step `index`, and (supervised, real) tokens of the
