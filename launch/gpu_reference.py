@@ -97,8 +97,10 @@ class FeedForward(nn.Module):
 class Layer(nn.Module):
     def __init__(self, a) -> None:
         super().__init__()
-        self.attention_norm, self.ffn_norm = Norm(a.dim, 1e-5), Norm(a.dim, 1e-5)
+        # In blocktrain's order: the parameters' order is the gradient norm's summation order.
+        self.attention_norm = Norm(a.dim, 1e-5)
         self.attention = Attention(a)
+        self.ffn_norm = Norm(a.dim, 1e-5)
         self.feed_forward = FeedForward(a.dim, a.ffn)
         self.residual_dropout = nn.Dropout(a.dropout)
 
@@ -123,10 +125,10 @@ class Decoder(nn.Module):
 
     def forward(self, tokens):
         head_dim = self.a.dim // self.a.heads
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                 device=tokens.device) / head_dim
-        angles = torch.outer(torch.arange(tokens.shape[1], dtype=torch.float32,
-                                          device=tokens.device), 1.0 / (self.a.rope_theta ** exponents))
+        where = tokens.device
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=where) / head_dim
+        positions = torch.arange(tokens.shape[1], dtype=torch.float32, device=where)
+        angles = torch.outer(positions, 1.0 / (self.a.rope_theta ** exponents))
         rope = torch.cos(angles), torch.sin(angles)
         hidden = self.tok_embeddings(tokens)
         for layer in self.layers:
@@ -170,14 +172,21 @@ class HFLM(nn.Module):
         return self.range if param.ndim >= 2 else None
 
 
+# blocktrain's checkpointing.save_ops default: matmuls and attention (on CUDA and on the CPU).
+_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+              torch.ops.aten._scaled_dot_product_efficient_attention.default,
+              torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 _KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-         torch.ops.aten._scaled_dot_product_flash_attention.default,
-         torch.ops.aten._scaled_dot_product_efficient_attention.default,
-         torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+         torch.ops.aten.baddbmm.default, *_ATTENTION}
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+    # Attention with dropout is recomputed: kept, its recompute would skip the draw of its mask
+    # and shift every later mask of the block.
+    drops = op in _ATTENTION and kwargs.get("dropout_p", args[3] if len(args) > 3 else 0.0)
+    return (CheckpointPolicy.MUST_SAVE if op in _KEEP and not drops
+            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def with_recompute(layer: nn.Module, policy: str) -> None:
@@ -222,8 +231,9 @@ def batches(a, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     out = []
     for step in range(a.steps):
         first = (step * world + rank) * a.micro_batch
-        windows = torch.stack([torch.from_numpy(np.random.default_rng([a.seed, 0, int(k)]).integers(
-            0, a.vocab, size=a.seq + 1, dtype=np.int64)) for k in order[first:first + a.micro_batch]])
+        windows = torch.stack([torch.from_numpy(
+            np.random.default_rng([a.seed, 0, int(k)]).integers(0, a.vocab, size=a.seq + 1))
+            for k in order[first:first + a.micro_batch]])
         out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
     return out
 
@@ -289,7 +299,8 @@ def train(a, model: nn.Module, device: torch.device, data) -> tuple[list[float],
     times, losses = [], []
     for inputs, targets in data:
         started = time.perf_counter()
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
         loss.backward()
