@@ -1,10 +1,11 @@
 """Counting what one training step does, without a clock: any training script, per step.
 
-    python -m checkpointing.stepcount OUT_DIR MODULE [args ...]   (also under torchrun)
+    python -m checkpointing.stepcount [--times] OUT_DIR MODULE [args ...]   (also under torchrun)
 
-runs `python -m MODULE args` and writes OUT_DIR/rank<r>.json: for each interval between two
-optimizer steps (the boundaries are a global optimizer post-hook, so it needs nothing from the
-script), the counts of
+runs `python -m MODULE args` and writes OUT_DIR/rank<r>.json. With `--times`, nothing but the
+clock at the end of every optimizer step (a global optimizer post-hook: the same one call for
+any script), the wall-clock time of the first one, and the process's peak memory. Otherwise,
+for each interval between two optimizer steps, the counts of
 - `ops`: aten (and c10d) operators dispatched on the main thread, seen by a TorchDispatchMode;
 - `hooks`: calls of hooks registered after start-up: module forward/backward hooks,
   saved-tensor pack/unpack hooks, tensor gradient hooks and autograd engine callbacks;
@@ -21,12 +22,13 @@ import atexit
 import collections
 import json
 import os
+import resource
 import runpy
 import sys
+import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -162,25 +164,48 @@ def install() -> None:
     register_optimizer_step_post_hook(lambda *_: COUNTS.boundary())
 
 
+class Times:
+    """The clock at each optimizer step's end; time.time() at the first (start-up ends)."""
+
+    def __init__(self) -> None:
+        self.step_ends: list[float] = []
+        self.first_step_unix: float | None = None
+
+    def __call__(self, *_) -> None:
+        self.step_ends.append(time.perf_counter())
+        if self.first_step_unix is None:
+            self.first_step_unix = time.time()
+
+    def result(self) -> dict:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return {"step_ends": self.step_ends, "first_step_unix": self.first_step_unix,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "max_allocated": torch.cuda.max_memory_allocated() if cuda else None}
+
+
 def main(argv: list[str]) -> None:
-    out, module, rest = argv[0], argv[1], argv[2:]
+    timing = argv[0] == "--times"
+    out, module, rest = argv[timing], argv[timing + 1], argv[timing + 2:]
     os.makedirs(out, exist_ok=True)
-    install()
+    times = Times()
+    if timing:
+        register_optimizer_step_post_hook(times)
+    else:
+        install()
 
     def write() -> None:
         sys.setprofile(None)
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        rank = int(os.environ.get("RANK", "0"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(COUNTS.intervals, f)
+            json.dump(times.result() if timing else COUNTS.intervals, f)
     atexit.register(write)
     sys.argv = [module, *rest]
-    mode = _CountOps()
-    mode.__enter__()
+    if not timing:
+        _CountOps().__enter__()
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
-        sys.setprofile(None)
-        write()  # before the process group is gone, when the script does not destroy it
+        write()
 
 
 if __name__ == "__main__":
