@@ -3,6 +3,7 @@
     python -m checkpointing.bench [--steps N] [--nproc P] [--policies a,b] [--targets none,disk]
                                   [trainer overrides ...]
     python -m checkpointing.bench --memory-gib 0.06,0.1,0.2 train.global_batch_size=32 ...
+    python -m checkpointing.bench --reference [...]   (against a plain loop: reference.py)
 
 Each (policy, offload target) runs as its own `python -m trainer` (or torchrun) job with the same
 overrides. The table shows the median step time (first step excluded) and its ratio to the same
@@ -53,8 +54,9 @@ def run_policy(policy: str, target: str, overrides: list[str], steps: int, nproc
     if decision is not None:
         os.makedirs(run_dir, exist_ok=True)
         shutil.copy(decision, os.path.join(run_dir, "auto.json"))
+    # checkpointing.profile: the fixed policies' profiled recompute seconds (the table's column).
     args = [f"checkpointing={policy}", f"offload={target}", f"train.steps={steps}",
-            "logging.every=1",
+            "logging.every=1", "checkpointing.profile=true",
             "logging.wandb=false", "logging.progress=false", f"train.eval_every={steps}",
             f"hydra.run.dir={run_dir}", *overrides]
     if nproc > 1:
@@ -180,6 +182,15 @@ def print_memory_table(rows: dict[tuple[float, str], dict | None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--reference" in argv:  # blocktrain against a plain PyTorch loop: checkpointing/reference.py
+        from checkpointing.reference import main as reference
+
+        return reference([a for a in argv if a != "--reference"])
+    return policy_tables(argv)
+
+
+def policy_tables(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1)

@@ -25,12 +25,16 @@ class SavedBytesMeter:
 
     A storage saved by several ops or through several views counts once, as it costs once.
     `peak` is the largest total of any measured forward since `reset_peak()`.
+    With `enabled` False, `measure()` installs nothing: the hooks run Python for every saved
+    tensor (and, under selective checkpointing, a dispatch mode sees every op of the blocks), a
+    cost the trainer pays only on the steps whose figure it logs.
     """
 
     def __init__(self) -> None:
         self.bytes = 0
         self.peak = 0
         self.active = False
+        self.enabled = True
         self.sizes: list[int] = []  # bytes of each distinct storage of the last measurement
         self._seen: dict[int, torch.UntypedStorage] = {}
 
@@ -49,8 +53,11 @@ class SavedBytesMeter:
         self.add(tensor)
         return tensor
 
+    def measure(self) -> contextlib.AbstractContextManager:
+        return self._measuring() if self.enabled else contextlib.nullcontext(self)
+
     @contextlib.contextmanager
-    def measure(self) -> Iterator["SavedBytesMeter"]:
+    def _measuring(self) -> Iterator["SavedBytesMeter"]:
         self.bytes, self.active, self.sizes = 0, True, []
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):

@@ -68,8 +68,11 @@ def keeps(op, save_ops: frozenset, args: tuple, kwargs: dict) -> bool:
 
 def _save_policy(save_ops: frozenset):
     def policy(ctx, op, *args, **kwargs):
-        return (CheckpointPolicy.MUST_SAVE if keeps(op, save_ops, args, kwargs)
-                else CheckpointPolicy.PREFER_RECOMPUTE)
+        # Called for every op of the block, forward and recompute: most are not kept, and
+        # answer without a further call (keeps() decides the same).
+        if op not in save_ops or draws_random(op, args, kwargs):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
     return policy
 
 
@@ -104,8 +107,9 @@ class _ReportSaved(TorchDispatchMode):
         return out
 
 
-def _selective_contexts(save_ops: frozenset, meter: Optional[SavedBytesMeter]):
-    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_save_policy(save_ops))
+def _selective_contexts(save_ops: frozenset, policy: Callable,
+                        meter: Optional[SavedBytesMeter]):
+    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(policy)
     if meter is None or not meter.active:
         return forward_ctx, recompute_ctx
     # checkpoint() tells SAC's own mode its hooks choice; wrapped in our stack, it cannot.
@@ -129,7 +133,8 @@ def checkpoint_block(block: nn.Module, recompute: str, save_ops: Sequence = (),
         raise RuntimeError(f"block already checkpointed ({block._blocktrain_recompute})")
     context_fn = None
     if recompute == "selective":
-        context_fn = functools.partial(_selective_contexts, frozenset(save_ops), meter)
+        ops = frozenset(save_ops)
+        context_fn = functools.partial(_selective_contexts, ops, _save_policy(ops), meter)
     elif recompute != "full":
         raise ValueError(f"unknown recompute option {recompute!r}")
     original = block.forward

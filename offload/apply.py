@@ -59,13 +59,15 @@ def apply_offload(blocks: Sequence[nn.Module], plan: Sequence[BlockPlan],
                                               meter)
 
 
-@contextlib.contextmanager
-def offload_micro_batch(offloader: Optional[Offloader]) -> Iterator[None]:
+def offload_micro_batch(offloader: Optional[Offloader]) -> contextlib.AbstractContextManager:
     """Around one micro-batch's forward and backward: afterwards every moved tensor is back and
-    released (files deleted, pool slots free), also when the step raised."""
-    if offloader is None:
-        yield
-        return
+    released (files deleted, pool slots free), also when the step raised. With offload off,
+    nothing (not even a generator's frames)."""
+    return contextlib.nullcontext() if offloader is None else _offloading(offloader)
+
+
+@contextlib.contextmanager
+def _offloading(offloader: Offloader) -> Iterator[None]:
     offloader.begin_step()
     try:
         yield

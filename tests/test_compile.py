@@ -122,7 +122,8 @@ def test_saved_bytes_are_what_the_compiled_backward_keeps(world_of_one, tmp_path
     from trainer.models.llama import lm_loss
     from tests.checkpoint_harness import token_batch
 
-    cfg = config(*SMALL, "train.compile=true", "model.dropout=0.0", f"checkpointing={policy}")
+    cfg = config(*SMALL, "train.compile=true", "model.dropout=0.0", f"checkpointing={policy}",
+                 "checkpointing.profile=true")
     meter = SavedBytesMeter()
     built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=str(tmp_path))
     inputs, targets = token_batch(0, 0)

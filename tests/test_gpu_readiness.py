@@ -35,14 +35,19 @@ def test_blocks_are_profiled_in_the_param_dtype(world_of_one, monkeypatch) -> No
         return real(blocks, trace, *args, **kwargs)
 
     monkeypatch.setattr(build, "profile_blocks", spy)
-    cfg = config(*TINY, "checkpointing=full", "sharding=fsdp", "sharding.param_dtype=bfloat16")
+    cfg = config(*TINY, "checkpointing=full", "checkpointing.profile=true", "sharding=fsdp",
+                 "sharding.param_dtype=bfloat16")
     built = build.build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
     assert seen == [{torch.bfloat16}]
     assert {p.dtype for p in built.model.parameters()} == {torch.float32}
     seen.clear()
+    build.build_model(config(*TINY, "checkpointing=full", "checkpointing.profile=true"),
+                      read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    assert seen == [{torch.float32}]  # no mixed precision: the model as it is
+    seen.clear()
     build.build_model(config(*TINY, "checkpointing=full"), read_env("cpu"), replicate=1,
                       meter=SavedBytesMeter())
-    assert seen == [{torch.float32}]  # no mixed precision: the model as it is
+    assert seen == []  # a fixed policy is not timed unless asked
 
 
 class FakeCuda:

@@ -40,6 +40,8 @@ from trainer.models.llama import LlamaArgs, build_llama, flops_per_token
 from trainer.task import head_chunk, task_for
 
 log = logging.getLogger("trainer")
+# Policies whose plan follows from the block count alone: timing the blocks is optional.
+FIXED_POLICIES = ("full", "selective", "every_k", "sqrt")
 
 
 def llama_args(cfg: ModelConfig) -> LlamaArgs:
@@ -196,8 +198,8 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
                                         Optional[Budget]]:
     """The per-block plan; profiles blocks (rank 0, shared with all) when recompute is in play."""
     c, shard = cfg.checkpointing, cfg.sharding.mode != "none"
-    if c.policy == "none":
-        return choose_plan("none", names, shard), None, 0, None
+    if c.policy == "none" or (c.policy in FIXED_POLICIES and not c.profile):
+        return choose_plan(c.policy, names, shard, c.every), None, 0, None
     if c.policy == "file":
         from trainer.state.planfile import read_plan
 

@@ -181,6 +181,10 @@ class CheckpointingConfig:
     # (<= 1) of the activation bytes without checkpointing.
     budget: Optional[float] = None
     profile_repeats: int = 3  # timing repeats per option when profiling a block
+    # full, selective, every_k, sqrt: also time every block's options at start (seconds per
+    # option in the plan table, the recompute_s metric). Off, they start without the timing
+    # runs, which they do not need; budget, compiler and auto always time (they plan with it).
+    profile: bool = False
     # file: the per-block plan of an earlier run (its plan.json), carried out as it is.
     plan_file: Optional[str] = None
     # The loss head of language models: plain (logits, then cross-entropy) or chunked (one

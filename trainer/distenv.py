@@ -102,11 +102,17 @@ def shutdown(clean: bool = True, destroy: bool = True) -> None:
 
 def mean_over_ranks(value: torch.Tensor) -> float:
     """The mean of a scalar tensor over every rank (the value itself in a world of one)."""
+    return reduce_mean(value).item()
+
+
+def reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """mean_over_ranks, left on the device (read it together with other values: one
+    synchronisation)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
         dist.all_reduce(value)  # gloo has no AVG: sum, then divide
         value /= dist.get_world_size()
-    return value.item()
+    return value
 
 
 def _store_is_gone() -> bool:

@@ -103,17 +103,23 @@ def _same_process_group_as_parent() -> bool:
 class StopVote:
     """The end-of-step decision every rank takes together: stop now (a signal on any rank, a
     lost launcher, `train.stop_at_step`), and whether every rank's async save has finished
-    (the checkpointer commits it then). `checkpointer` needs `local_done()` and `poll(all)`."""
+    (the checkpointer commits it then). `checkpointer` needs `local_done()` and `poll(all)`.
 
-    def __init__(self, preemption: PreemptionSignal, checkpointer, device: torch.device,
+    Worth its all-reduce of two integers per step: a signal or a lost agent can reach some
+    ranks only, and an async save finishes at different times on different ranks; without the
+    vote ranks would stop or commit at different steps and the next collective would hang.
+    The vote goes through host memory (gloo, which every process group here has), so on a GPU
+    it neither waits for the device nor queues behind the step's kernels."""
+
+    def __init__(self, preemption: PreemptionSignal, checkpointer,
                  stop_at_step: Optional[int], steps: int) -> None:
-        self.preemption, self.checkpointer, self.device = preemption, checkpointer, device
+        self.preemption, self.checkpointer = preemption, checkpointer
         self.stop_at_step, self.steps = stop_at_step, steps
 
     def vote(self, step: int) -> Optional[str]:
         """Why every rank stops after `step` (None: go on). One small all-reduce."""
         stop, saved = step_vote([self.preemption.received is not None,
-                                 self.checkpointer.local_done()], self.device)
+                                 self.checkpointer.local_done()])
         self.checkpointer.poll(saved)
         reason = (self.preemption.received or "another rank's signal") if stop else None
         if step == self.stop_at_step and step < self.steps:
@@ -121,17 +127,18 @@ class StopVote:
         return reason
 
 
-def step_vote(flags: Sequence[bool], device: torch.device) -> list[bool]:
+def step_vote(flags: Sequence[bool]) -> list[bool]:
     """Per flag: did any rank raise it (index 0..) — except the last, which asks whether all did.
 
-    One small all-reduce per step; by convention the last flag is "my async save is finished"
-    (committed only when every rank's is).
+    One small all-reduce per step, of a host tensor, read once; by convention the last flag is
+    "my async save is finished" (committed only when every rank's is).
     """
-    votes = torch.tensor([int(f) for f in flags[:-1]] + [int(not flags[-1])], device=device)
+    votes = [int(f) for f in flags[:-1]] + [int(not flags[-1])]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(votes)
-    any_flags = [bool(v) for v in votes[:-1].tolist()]
-    return any_flags + [votes[-1].item() == 0]
+        summed = torch.tensor(votes)
+        dist.all_reduce(summed)
+        votes = summed.tolist()
+    return [bool(v) for v in votes[:-1]] + [votes[-1] == 0]
 
 
 @dataclass

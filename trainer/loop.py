@@ -31,7 +31,7 @@ from trainer.build import build_model
 from trainer.config import Config
 from trainer.data.prefetch import Prefetcher
 from trainer.data.tokens import step_counts, train_batch, val_batches
-from trainer.distenv import DistEnv, init_distributed, mean_over_ranks, read_env, shutdown
+from trainer.distenv import DistEnv, init_distributed, read_env, reduce_mean, shutdown
 from trainer.faults import (Collectives, LossFn, LossGuard, PreemptionSignal, StopVote, Verdict,
                             injected_loss)
 from trainer.fit.autofit import fitting, rows as fit_rows, table as fit_table
@@ -60,7 +60,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: Sequence[Batch], grad_clip: float, meter: SavedBytesMeter,
                offloader: Optional[Offloader], guard: LossGuard,
                loss_fn: LossFn = lm_loss,
-               normaliser: Optional[int] = None) -> tuple[float, torch.Tensor, Verdict]:
+               normaliser: Optional[int] = None) -> tuple[float, float, Verdict]:
     """One optimizer step over this rank's micro-batches; returns (loss, grad norm, verdict).
 
     normaliser: for a loss summed over supervised targets (packed documents), their count in
@@ -70,26 +70,40 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     The update is applied only if the guard accepts the step; it judges the loss averaged over
     ranks and the global gradient norm, so every rank decides the same.
     """
-    total_loss = torch.zeros((), device=micro_batches[0][0].device)
     world = dist.get_world_size() if dist.is_initialized() else 1
+    last = len(micro_batches) - 1
+    # Accumulating: the sum of the micro-batches' losses from zero. One micro-batch: its loss
+    # (0 + x is x), with no ops for the sum.
+    total_loss = torch.zeros((), device=micro_batches[0][0].device) if last else None
     for i, batch in enumerate(micro_batches):
-        # Cross-rank reduction is deferred to the last micro-batch where that saves traffic.
-        set_grad_sync(model, i == len(micro_batches) - 1)
+        if last and i in (0, last):
+            # Cross-rank reduction is deferred to the last micro-batch where that saves traffic.
+            # Set where it changes only: the setter walks every module (~350 Python calls), and
+            # without accumulation it stays at its default, on.
+            set_grad_sync(model, i == last)
         with offload_micro_batch(offloader):  # planned blocks' activations leave the device
             with meter.measure():  # counts what this forward keeps on the device for backward
                 loss = loss_fn(model, *batch)
-                loss = (loss / len(micro_batches) if normaliser is None
-                        else loss * (world / max(normaliser, 1)))
+                if normaliser is not None:
+                    loss = loss * (world / max(normaliser, 1))
+                elif last:  # x / 1 is x: one micro-batch needs no division (nor its backward)
+                    loss = loss / len(micro_batches)
             loss.backward()
-        total_loss += loss.detach()
+        if last:
+            total_loss += loss.detach()
+        else:
+            total_loss = loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
-    loss_value = mean_over_ranks(total_loss)
-    verdict = guard.judge(loss_value, grad_norm.item())
+    # The guard needs both before the update: read together, one wait for the device.
+    # (FSDP's CPU offload leaves the norm in host memory: it joins the loss on the device.)
+    loss = reduce_mean(total_loss)
+    loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.device)]).tolist()
+    verdict = guard.judge(loss_value, norm_value)
     if verdict.ok:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, grad_norm, verdict
+    return loss_value, norm_value, verdict
 
 
 def step_seconds(started: float, device: torch.device, synchronize=None) -> float:
@@ -167,8 +181,7 @@ class Trainer:
         self.collectives = Collectives(denv.rank, t.dist_timeout_s, self._timed_out)
         self.saver = Saver(self.checkpointer, cfg.save.every, cfg.save.at_end, t.steps,
                            self.collectives)
-        self.stops = StopVote(self.preemption, self.checkpointer, self.device, t.stop_at_step,
-                              t.steps)
+        self.stops = StopVote(self.preemption, self.checkpointer, t.stop_at_step, t.steps)
 
     def _read_batch(self, index: int) -> tuple[list[Batch], Optional[tuple[int, int]]]:
         """This rank's micro-batches of step `index`, and (supervised, real) tokens of the
@@ -225,8 +238,8 @@ class Trainer:
             loss_fn = self._loss_for(index)  # faults.inject_*: a drill may slow or spoil it
             lr = self.scheduler.get_last_lr()[0]
             with self.collectives(f"step {step} (forward, backward, gradient reduction)"), \
-                    self.steplog.count_live_bytes(step, self.model, self.optimizer,
-                                                  micro_batches, index):
+                    self.steplog.measuring(step, self.model, self.optimizer, micro_batches,
+                                           index):
                 counts = self._global_counts(counts)
                 loss, grad_norm, verdict = train_step(
                     self.model, self.optimizer, self.scheduler, micro_batches,

@@ -58,15 +58,21 @@ class StepLog:
     def should_log(self, step: int) -> bool:
         return step % self.every == 0 or step == self.steps
 
+    def measuring(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  micro_batches: Sequence, wandb_step: int) -> contextlib.AbstractContextManager:
+        """Around the training step: the saved-bytes meter counts only on a step whose record
+        is logged (act_saved_bytes is that step's; the shapes, and so the bytes, are the same
+        every step); on the chosen step, the peak of live tensor bytes is counted and recorded
+        (the memory model's check on CPU). Other steps pay for neither."""
+        self.meter.enabled = self.should_log(step)
+        if step != self.live_step:
+            return contextlib.nullcontext()
+        return self._count_live_bytes(step, model, optimizer, micro_batches, wandb_step)
+
     @contextlib.contextmanager
-    def count_live_bytes(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         micro_batches: Sequence, wandb_step: int) -> Iterator[None]:
-        """Around the training step: on the chosen step, count the peak of live tensor bytes
-        and record it (the memory model's check on CPU)."""
-        live = step_tracker(step == self.live_step, model, optimizer, list(micro_batches))
-        if live is None:
-            yield
-            return
+    def _count_live_bytes(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                          micro_batches: Sequence, wandb_step: int) -> Iterator[None]:
+        live = step_tracker(True, model, optimizer, list(micro_batches))
         with live:
             yield
         self._counted_step = step  # counting slows the step: no throughput verdict on it
@@ -78,7 +84,7 @@ class StepLog:
         """The step's tokens: real ones (not padding) where the data counts them."""
         return self.shape.tokens if counts is None else counts[1]
 
-    def step(self, step: int, loss: float, grad_norm: torch.Tensor, lr: float,
+    def step(self, step: int, loss: float, grad_norm: float, lr: float,
              step_time: float, data_wait_s: float, tokens_seen: int, wandb_step: int,
              counts: Optional[tuple[int, int]] = None) -> None:
         """After a step that was applied; counts: (supervised, real) tokens of packed data."""
@@ -94,7 +100,7 @@ class StepLog:
                                            s.compiled_blocks)
             self.logger.info(startup_line(self._startup, s.compiled_blocks))
         if self.should_log(step):
-            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                        "tokens_per_s": tokens_per_s, "step_time_s": step_time,
                        "samples_per_s": self.shape.samples / step_time,
                        "data_wait_s": data_wait_s, "tokens_seen": tokens_seen,

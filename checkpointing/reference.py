@@ -1,0 +1,262 @@
+"""blocktrain against a plain PyTorch loop doing the same arithmetic: the framework's tax.
+
+    python -m checkpointing.bench --reference [--nproc 2] [--repeat 3] [--steps 12]
+        [--policies none,full,selective] [--models llama,hf] [--micro-batch 8] [--seq 256]
+
+For each model (the built-in Llama, and a Hugging Face Qwen2 through model=hf) and each policy,
+`python -m trainer` and the plain loop of launch/gpu_reference.py (the GPU check's reference:
+`fully_shard` per block and root, `torch.utils.checkpoint` per block, AdamW, the same data,
+initialisation and schedule, so the losses agree bitwise) run with the same shapes on the same
+ranks, in pairs, each round over every pair, the pair's order alternating between rounds. Both
+are timed by one clock read in a global optimizer post-hook (checkpointing/stepcount.py), so a
+step is the same span for both: from one optimizer step to the next, the loop's own work
+(logging, votes, reading the batch) included. Printed per pair: the median over rounds of the
+ratio of median step times (blocktrain / plain) and its range, the ratio of peak memory, the
+seconds from launch to the end of the first step, and whether the losses agree. Then, from one
+counting run of each (no clock), per step: dispatched operators, hooks fired, host reads of
+device values (each a synchronisation on a GPU) and Python calls, and every count blocktrain has
+beyond the plain loop, with the reason it is there (NAMED_EXTRAS) or flagged as unnamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+LLAMA = {"model.dim": 128, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
+         "model.ffn_hidden": 384, "model.vocab_size": 256, "model.rope_theta": 10000.0}
+QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128,
+         "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+WARMUP = 2  # step intervals left out of the timing (the first steps warm caches and allocators)
+
+# What blocktrain does per step beyond the plain loop, on a step that is not logged: the most of
+# each it may do, and why. Anything else is flagged (tests/test_reference_bench.py fails on it).
+NAMED_EXTRAS = {
+    "c10d.allreduce_.default": (2, "the loss averaged over ranks (the logged loss and the fault "
+                                   "guard's, faults.*) and the end-of-step stop vote (StopVote)"),
+    "aten.clone.default": (1, "the loss averaged over ranks: the copy all-reduced"),
+    "aten.div_.Tensor": (1, "the loss averaged over ranks: / world"),
+    "aten.detach.default": (1, "the step's loss, detached to be averaged"),
+    "aten.stack.default": (1, "loss and gradient norm stacked: read together, once"),
+    "aten.view.default": (1, "the gradient norm gathered (DTensor.full_tensor) before clipping; "
+                             "clip_grad_norm_ gathers it inside a DTensor op the count does not "
+                             "see into"),
+    "aten.lift_fresh.default": (1, "the stop vote's flags"),
+    "tolist": (2, "loss and gradient norm, read before the update for the fault guard; the stop "
+                  "vote's result (host memory: no device wait)"),
+    "cuda.synchronize": (1, "on a GPU, the step's time includes the device's work (the plain "
+                            "loop's loss.item() waits at its end instead)"),
+}
+
+
+def trainer_args(model: str, policy: str, a, run_dir: str) -> list[str]:
+    shapes = ([f"{k}={v}" for k, v in LLAMA.items()] + ["model.tie_embeddings=false"]
+              if model == "llama" else
+              ["model=hf", "model.hf_config=" + json.dumps(QWEN2).replace('"', "")])
+    return [f"checkpointing={policy}", *shapes, "data=synthetic", f"data.seq_len={a.seq}",
+            f"train.micro_batch_size={a.micro_batch}", f"train.steps={a.steps}",
+            f"train.device={a.device}", "logging.wandb=false", "logging.progress=false",
+            f"model.dropout={a.dropout}" if model == "llama" else "model.dropout=0",
+            "save.resume=false", f"hydra.run.dir={run_dir}"]
+
+
+def reference_args(model: str, policy: str, a) -> list[str]:
+    common = ["--policy", policy, "--seq", str(a.seq), "--micro-batch", str(a.micro_batch),
+              "--steps", str(a.steps), "--param-dtype", "none", "--device", a.device]
+    if model == "hf":
+        return [*common, "--hf-config", json.dumps(QWEN2)]
+    flags = {"model.dim": "--dim", "model.n_layers": "--layers", "model.n_heads": "--heads",
+             "model.n_kv_heads": "--kv-heads", "model.ffn_hidden": "--ffn",
+             "model.vocab_size": "--vocab", "model.rope_theta": "--rope-theta"}
+    return [*common, *[x for k, v in LLAMA.items() for x in (flags[k], str(v))], "--untied",
+            "--dropout", str(a.dropout)]
+
+
+def run(side: str, model: str, policy: str, a, out: str, timing: bool) -> dict:
+    """One run of blocktrain ("bt") or the plain loop ("plain") under checkpointing/stepcount.py;
+    its per-rank results, launch-to-first-step seconds and (blocktrain) logged losses."""
+    where = os.path.join(out, f"{model}-{policy}-{side}-{'t' if timing else 'c'}")
+    module, args = (("trainer", trainer_args(model, policy, a, os.path.join(where, "run")))
+                    if side == "bt" else ("launch.gpu_reference", reference_args(model, policy, a)))
+    wrapper = ["-m", "checkpointing.stepcount", *(["--times"] if timing else []), where, module]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={a.nproc}"] if a.nproc > 1 else [sys.executable])
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // a.nproc))}
+    launched = time.time()
+    done = subprocess.run([*launcher, *wrapper, *args], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if done.returncode != 0:
+        raise SystemExit(f"{side} {model} {policy} failed:\n{done.stderr[-3000:]}")
+    ranks = [json.load(open(os.path.join(where, f"rank{r}.json"))) for r in range(a.nproc)]
+    result = {"ranks": ranks, "losses": {}}
+    if timing:
+        result["startup_s"] = ranks[0]["first_step_unix"] - launched
+    if side == "plain":
+        line = [ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1]
+        result["losses"] = dict(enumerate(json.loads(line)["losses"], start=1))
+    else:
+        with open(os.path.join(where, "run", "metrics.jsonl")) as f:
+            result["losses"] = {m["step"]: m["loss"] for m in map(json.loads, f) if "loss" in m}
+    return result
+
+
+def step_time(result: dict) -> float:
+    """Median seconds between optimizer steps after the warm-up, the slowest rank's."""
+    def median(ends: list[float]) -> float:
+        gaps = [b - a for a, b in zip(ends, ends[1:])][WARMUP:]
+        return statistics.median(gaps)
+    return max(median(r["step_ends"]) for r in result["ranks"])
+
+
+def peak(result: dict) -> int:
+    return max(r["max_allocated"] or r["peak_rss_bytes"] for r in result["ranks"])
+
+
+def losses_agree(bt: dict, plain: dict) -> bool:
+    """Every loss blocktrain logged equals the plain loop's of that step, bitwise."""
+    return bool(bt["losses"]) and all(plain["losses"].get(s) == v for s, v in bt["losses"].items())
+
+
+def timing_rows(pairs: list[tuple[str, str]], a, out: str) -> dict:
+    rounds: dict = {pair: [] for pair in pairs}
+    for r in range(a.repeat):
+        for model, policy in pairs:
+            sides = ("bt", "plain") if r % 2 == 0 else ("plain", "bt")
+            got = {s: run(s, model, policy, a, os.path.join(out, str(r)), True) for s in sides}
+            rounds[model, policy].append({
+                "ratio": step_time(got["bt"]) / step_time(got["plain"]),
+                "step_s": step_time(got["plain"]), "peak": peak(got["bt"]) / peak(got["plain"]),
+                "startup": (got["bt"]["startup_s"], got["plain"]["startup_s"]),
+                "equal": losses_agree(got["bt"], got["plain"])})
+    return rounds
+
+
+def totals(interval: dict, kind: str) -> collections.Counter:
+    """An interval's counts of one kind by name (operators, host reads: without the site)."""
+    counts: collections.Counter = collections.Counter()
+    for key, n in interval[kind].items():
+        counts[key.split(" @ ")[0] if kind in ("ops", "syncs") else key] += n
+    return counts
+
+
+def typical(result: dict) -> tuple[dict, dict]:
+    """Rank 0's median interval by operator count (a step that is not logged), and its largest
+    (the logged step's measurements)."""
+    intervals = sorted(result["ranks"][0][WARMUP:], key=lambda i: sum(i["ops"].values()))
+    return intervals[(len(intervals) - 1) // 2], intervals[-1]
+
+
+def extras(bt: dict, plain: dict) -> dict[str, int]:
+    """What blocktrain's step does more (> 0) or less (< 0) than the plain loop's, by name:
+    operators and host reads by operator, hooks by what registered them."""
+    found = {}
+    for kind in ("ops", "syncs", "hooks"):
+        diff = totals(bt, kind)
+        diff.subtract(totals(plain, kind))
+        diff.pop("aten._local_scalar_dense.default", None)  # each is a host read ("item")
+        found.update({(k if kind != "hooks" else "hook " + k): n
+                      for k, n in diff.items() if n})
+    if totals(bt, "syncs")["item"] + totals(bt, "syncs")["tolist"] == totals(
+            plain, "syncs")["item"] + totals(plain, "syncs")["tolist"]:
+        found.pop("item", None), found.pop("tolist", None)  # as many reads, another method
+    return found
+
+
+def unnamed(found: dict[str, int]) -> dict[str, int]:
+    """Extras NAMED_EXTRAS does not name, or names fewer of."""
+    return {k: n for k, n in found.items() if n > NAMED_EXTRAS.get(k, (0, ""))[0]}
+
+
+def count_row(model: str, policy: str, a, out: str) -> dict:
+    bt, plain = (run(s, model, policy, a, out, False) for s in ("bt", "plain"))
+    (bt_step, bt_logged), (plain_step, _) = typical(bt), typical(plain)
+    per = {kind: (sum(bt_step[kind].values()), sum(plain_step[kind].values()))
+           for kind in ("ops", "hooks", "syncs", "calls")}
+    found = extras(bt_step, plain_step)
+    return {"per_step": per, "extras": found, "unnamed": unnamed(found),
+            "logged_extra_ops": sum(bt_logged["ops"].values()) - per["ops"][0],
+            "logged_extra_hooks": sum(bt_logged["hooks"].values()) - per["hooks"][0]}
+
+
+def describe(found: dict[str, int]) -> str:
+    if not found:
+        return "none"
+    return ", ".join(f"{n:+d} {k}" for k, n in sorted(found.items(), key=lambda kv: -kv[1]))
+
+
+def print_tables(timed: dict, counted: dict, a) -> None:
+    print("| model | policy | step time x plain: median (range) | plain step s | peak memory "
+          "x plain | launch to first step s: blocktrain / plain | losses bitwise equal |")
+    print("|---|---|---|---|---|---|---|")
+    for (model, policy), rounds in timed.items():
+        ratios = [r["ratio"] for r in rounds]
+        bt_s, plain_s = (statistics.median(r["startup"][i] for r in rounds) for i in (0, 1))
+        print(f"| {model} | {policy} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-"
+              f"{max(ratios):.3f}) | {statistics.median(r['step_s'] for r in rounds):.3f} | "
+              f"{statistics.median(r['peak'] for r in rounds):.3f} | {bt_s:.1f} / "
+              f"{plain_s:.1f} | {'yes' if all(r['equal'] for r in rounds) else 'NO'} |")
+    print("\n| model | policy | ops/step: blocktrain / plain | hooks | host reads | Python calls "
+          "| logged step: + ops, + hooks | blocktrain's extras (unlogged step) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (model, policy), row in counted.items():
+        cells = " | ".join(f"{b} / {p}" for b, p in row["per_step"].values())
+        flag = f" **unnamed: {row['unnamed']}**" if row["unnamed"] else ""
+        print(f"| {model} | {policy} | {cells} | +{row['logged_extra_ops']}, "
+              f"+{row['logged_extra_hooks']} | {describe(row['extras'])}{flag} |")
+    named = sorted({k for row in counted.values() for k, n in row["extras"].items()
+                    if n > 0 and k in NAMED_EXTRAS})
+    print("\nWhy blocktrain has them (NAMED_EXTRAS; the most a step may have):")
+    for key in named:
+        print(f"- {key} (<= {NAMED_EXTRAS[key][0]}): {NAMED_EXTRAS[key][1]}")
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds (0: counts only)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--policies", default="none,full,selective")
+    p.add_argument("--models", default="llama,hf")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.0, help="the Llama's (HF's: its config)")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    if a.steps < WARMUP + 3:
+        p.error(f"--steps must be >= {WARMUP + 3}: {WARMUP} step intervals are not measured")
+    pairs = [(m, pol) for m in a.models.split(",") for pol in a.policies.split(",")]
+    started = load_average()
+    with tempfile.TemporaryDirectory() as out:
+        timed = timing_rows(pairs, a, out) if a.repeat else {}
+        counted = {pair: count_row(*pair, a, os.path.join(out, "counts")) for pair in pairs}
+    import torch
+
+    print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, load average "
+          f"{started} at the start, {load_average()} at the end; torch {torch.__version__}; "
+          f"python -m checkpointing.bench --reference --nproc {a.nproc} --repeat {a.repeat} "
+          f"--steps {a.steps} --policies {a.policies} --models {a.models} --micro-batch "
+          f"{a.micro_batch} --seq {a.seq} --dropout {a.dropout} --device {a.device}")
+    print_tables(timed, counted, a)
+    return 1 if any(row["unnamed"] for row in counted.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

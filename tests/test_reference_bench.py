@@ -1,0 +1,62 @@
+"""`python -m checkpointing.bench --reference` (checkpointing/reference.py): it runs on a tiny
+model, and blocktrain's step does no more than the plain PyTorch loop of launch/gpu_reference.py
+(dispatched operators, hooks, host reads) beyond what NAMED_EXTRAS names and counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpointing import reference
+
+TINY = ["--micro-batch", "2", "--seq", "32", "--steps", "6", "--nproc", "2"]
+
+
+def _rows(out: str, model: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()
+            if line.startswith(f"| {model} |")]
+
+
+def test_an_extra_nobody_named_is_flagged() -> None:
+    """The check the bench (and the tests below) rely on: equal counts pass, named extras within
+    their count pass, anything more is reported."""
+    def interval(ops: dict, syncs: dict, hooks: dict) -> dict:
+        return {"ops": ops, "syncs": syncs, "hooks": hooks, "calls": {}}
+
+    plain = interval({"aten.mm.default @ x": 4, "aten._local_scalar_dense.default @ x": 1},
+                     {"item @ x": 1}, {"module forward_hook: m.f": 2})
+    same = interval({"aten.mm.default @ y": 4, "aten._local_scalar_dense.default @ y": 1},
+                    {"item @ y": 1}, {"module forward_hook: m.f": 2})
+    assert reference.extras(same, plain) == {}
+    named = interval({**same["ops"], "c10d.allreduce_.default @ z": 2}, {"tolist @ z": 1},
+                     same["hooks"])
+    assert reference.unnamed(reference.extras(named, plain)) == {}
+    more = interval({**same["ops"], "c10d.allreduce_.default @ z": 3, "aten.add.Tensor @ z": 1},
+                    same["syncs"], {**same["hooks"], "saved-tensor pack: meter._pack": 5})
+    assert reference.unnamed(reference.extras(more, plain)) == {
+        "c10d.allreduce_.default": 3, "aten.add.Tensor": 1,
+        "hook saved-tensor pack: meter._pack": 5}
+
+
+@pytest.mark.slow
+def test_every_extra_of_the_llama_and_an_hf_model_is_named(capsys) -> None:
+    """2 ranks: the built-in Llama under each policy, the HF Qwen2 under full."""
+    assert reference.main(["--repeat", "0", "--models", "llama", *TINY]) == 0, \
+        capsys.readouterr().out
+    assert reference.main(["--repeat", "0", "--models", "hf", "--policies", "full", *TINY]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out, "llama") + _rows(out, "hf")
+    assert [r[1] for r in rows] == ["none", "full", "selective", "full"]
+    for row in rows:
+        ops, hooks = (tuple(map(int, cell.split(" / "))) for cell in row[2:4])
+        assert ops[1] > 100 and ops[0] - ops[1] <= sum(n for n, _ in
+                                                       reference.NAMED_EXTRAS.values())
+        assert hooks[0] == hooks[1]  # the saved-bytes meter counts on logged steps only
+
+
+@pytest.mark.slow
+def test_timed_rounds_compare_the_same_losses(capsys) -> None:
+    assert reference.main(["--repeat", "1", "--models", "llama", "--policies", "full",
+                           "--dropout", "0.1", *TINY]) == 0
+    timed = _rows(capsys.readouterr().out, "llama")[0]
+    ratio = float(timed[2].split()[0])
+    assert 0.2 < ratio < 5 and timed[-1] == "yes"  # dropout on, recomputed: bitwise the same
