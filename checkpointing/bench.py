@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     return policy_tables(argv)
 
 
-def policy_tables(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1)
@@ -202,9 +202,18 @@ def policy_tables(argv: list[str]) -> int:
                         help="comma-separated train.memory_gib levels: every policy (default "
                              "auto,none,full,selective,every_k) at each, its micro-batch chosen "
                              "to fit (needs train.global_batch_size=...)")
+    parser.add_argument("--reference", action="store_true",
+                        help="blocktrain against a plain PyTorch loop, in paired rounds, with "
+                             "per-step counts (checkpointing/reference.py; it also takes "
+                             "--models, --micro-batch, --seq, --dropout, --device)")
     parser.add_argument("--budgets", default=None,
                         help="comma-separated checkpointing.budget fractions: budget (eager, "
                              "compiled) beside checkpointing=compiler at each")
+    return parser
+
+
+def policy_tables(argv: list[str]) -> int:
+    parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     if args.repeat < 1 or args.steps < 2:
         parser.error("--repeat must be >= 1 and --steps >= 2 (the first step is not timed)")

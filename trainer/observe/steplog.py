@@ -1,6 +1,7 @@
 """What the run says about each step: every step the progress bar and the throughput watch,
 once the cost of starting, and every `logging.every` steps (and at the last) the full record,
-checked against the predicted memory. One live-bytes count on a chosen step
+checked against the predicted memory. What the record measures costs only on its own steps: the
+saved-bytes meter counts those steps alone, and one live-bytes count runs on a chosen step
 (`logging.live_bytes_step`, or step 2 on CPU when memory was predicted).
 
 Every rank keeps a StepLog; on ranks other than 0 its logger drops what it is given."""
