@@ -36,7 +36,7 @@ def test_two_ranks_share_one_run_dir_and_only_rank0_writes(tmp_path) -> None:
     assert run_dir.name.startswith("run-")
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(
         [".hydra", ".lock", "checkpoints", "memory_plan.json", "memory_plan.png", "metrics.jsonl",
-         "plan.json", "train.log", "wandb", "wandb_run_id"])
+         "plan.json", "train.log", "wandb", "wandb_run_id", "wandb_step"])
     # Config dump and log once, from rank 0: nothing written anywhere else.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
@@ -47,8 +47,9 @@ def test_two_ranks_share_one_run_dir_and_only_rank0_writes(tmp_path) -> None:
     assert all(m["peak_mem_bytes"] > 0 and m["tokens_per_s"] > 0 for m in logged)
     assert all(isinstance(m["loss"], float) for m in logged)
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert [p["name"] for p in plan] == [f"layers.{i}" for i in range(4)]
-    assert all(p["shard"] and p["recompute"] == "none" for p in plan)
+    assert [p["name"] for p in plan] == [f"layers.{i}" for i in range(4)] + ["head"]
+    assert plan[-1] == {"name": "head", "head": "plain", "chunk_tokens": None}
+    assert all(p["shard"] and p["recompute"] == "none" for p in plan[:-1])
 
     # W&B: exactly one offline run (rank 0's), holding the same history as metrics.jsonl.
     runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
