@@ -272,7 +272,7 @@ def test_replayed_steps_are_recorded_once_and_shown_by_wandb(tmp_path) -> None:
     records of the replayed steps go to metrics.superseded.jsonl, and W&B gets the replayed
     points after the earlier ones instead of dropping them."""
     run = [*QUICK, "train.steps=6", "save.every=3", "logging.wandb=true",
-           f"hydra.run.dir={tmp_path}"]
+           "train.eval_at_start=true", f"hydra.run.dir={tmp_path}"]
     check_ok(run_trainer(run, REPO))
     first = step_losses(tmp_path)
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000006")

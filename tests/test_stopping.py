@@ -136,6 +136,7 @@ def test_train_log_holds_every_console_line_and_a_summary(tmp_path) -> None:
     run_dir = tmp_path / "run"
     leader, follower = pty.openpty()
     process = start_trainer(QUICK + ["data=synthetic", "train.steps=3", "logging.progress=true",
+                                     "train.eval_at_start=true",
                                      "logging.wandb=true", f"hydra.run.dir={run_dir}"],
                             tmp_path, stdout=follower, stderr=follower)
     os.close(follower)

@@ -17,7 +17,8 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
 def test_default_tiny_model_learns(tmp_path) -> None:
     """The default job (tiny model, stdlib bytes), cut short: val loss falls by over 40%."""
     run_dir = tmp_path / "run"
-    check_ok(run_trainer(["train.steps=40", "train.eval_every=40", "logging.wandb=false",
+    check_ok(run_trainer(["train.steps=40", "train.eval_every=40", "train.eval_at_start=true",
+                          "logging.wandb=false",
                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=600))
     val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m]
     assert len(val) == 2
@@ -27,7 +28,8 @@ def test_default_tiny_model_learns(tmp_path) -> None:
 @pytest.mark.slow
 def test_two_ranks_share_one_run_dir_and_only_rank0_writes(tmp_path) -> None:
     result = run_trainer(QUICK + ["train.steps=6", "logging.every=2", "logging.wandb=true",
-                                  "train.out_dir=out"], cwd=tmp_path, nproc=2)
+                                  "train.eval_at_start=true", "train.out_dir=out"],
+                         cwd=tmp_path, nproc=2)
     check_ok(result)
     run_dirs = list((tmp_path / "out").iterdir())
     assert len(run_dirs) == 1, run_dirs  # both ranks resolved the same directory

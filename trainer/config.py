@@ -143,6 +143,9 @@ class TrainConfig:
     # and the allocator's fragmentation, which the memory model does not count.
     memory_reserve_gib: float = 4.0
     eval_every: int = 50
+    # Also evaluate before the first step of a fresh run (a baseline val_loss at step 0). Off by
+    # default: it is eval_batches forwards more before training starts, on every fresh start.
+    eval_at_start: bool = False
     eval_batches: int = 4
     run_name: Optional[str] = None
     out_dir: str = "outputs"

@@ -267,7 +267,7 @@ class Trainer:
 
     def _start(self) -> None:
         """Resume where the run stands, start logging, say what will run, evaluate at step 0
-        of a fresh run."""
+        of a fresh run if train.eval_at_start."""
         cfg, denv, built = self.cfg, self.denv, self.built
         self.progress, resumed = Progress(), None
         if cfg.save.resume:
@@ -296,7 +296,7 @@ class Trainer:
                                      cfg.train.eval_every, cfg.train.steps, self.logger)
         if resumed is not None:
             self.logger.info(resumed[1])
-        else:
+        elif cfg.train.eval_at_start:
             self.evaluation.run(0)
         self.run_started, self.first_step = time.monotonic(), self.progress.step
 

@@ -195,8 +195,10 @@ class SyntheticWindows:
 @functools.lru_cache(maxsize=2)
 def _epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
     # A pure function of its arguments, so memoising it cannot change results; two
-    # entries cover a step whose global batch straddles an epoch boundary.
-    return np.random.default_rng([seed, epoch]).permutation(num_windows)
+    # entries cover a step whose global batch straddles an epoch boundary. Kept as int32 where
+    # the indices fit (the same values, half the memory it holds for the whole run).
+    order = np.random.default_rng([seed, epoch]).permutation(num_windows)
+    return order.astype(np.int32) if num_windows <= np.iinfo(np.int32).max else order
 
 
 def _stack(dataset: Windows, window_ids: np.ndarray, draws: np.ndarray | None = None) -> Batch:

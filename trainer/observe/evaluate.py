@@ -1,4 +1,5 @@
-"""Validation: at step 0 of a fresh run, every `train.eval_every` steps and at the last step."""
+"""Validation: every `train.eval_every` steps and at the last step, and at step 0 of a fresh
+run with `train.eval_at_start`."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Evaluation:
         return step % self.every == 0 or step == self.steps
 
     def run(self, step: int, wandb_step: Optional[int] = None) -> None:
-        """Evaluate now (step 0 of a fresh run), recording it at `step`."""
+        """Evaluate now, recording it at `step`."""
         self.logger.record({"step": step, **evaluate(self.model, self.batches, self.task,
                                                      self.device)}, wandb_step=wandb_step)
 
