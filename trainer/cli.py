@@ -7,6 +7,7 @@ it from rank 0 only and exit with status 2, before torch is imported or a proces
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -89,8 +90,11 @@ def _check_known_keys(cfg, schema: type, prefix: str = "") -> None:
             _check_known_keys(cfg[key], sub, prefix + f"{key}.")
 
 
-def compose(overrides: Sequence[str]) -> Config:
-    """The typed config these overrides produce, or ConfigError / a Hydra exception."""
+@functools.lru_cache(maxsize=8)
+def composed(overrides: tuple[str, ...]):
+    """Hydra's composition of a command line, its `hydra` node (the run directory) included.
+    Memoised, as the pre-flight check and the run directory's claim read the same one (each
+    composition is ~0.1 s of start-up); callers do not modify it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -98,8 +102,23 @@ def compose(overrides: Sequence[str]) -> Config:
     register_schema()
     register_resolver()
     GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="conf", version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    try:
+        with initialize_config_module(config_module="conf", version_base=None):
+            return hydra_compose(config_name="config", overrides=list(overrides),
+                                 return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose(overrides: Sequence[str]) -> Config:
+    """The typed config these overrides produce, or ConfigError / a Hydra exception."""
+    import copy
+
+    from omegaconf import open_dict
+
+    cfg = copy.deepcopy(composed(tuple(overrides)))
+    with open_dict(cfg):
+        del cfg["hydra"]
     return to_config(cfg)
 
 
@@ -226,21 +245,11 @@ def run_dir_of(argv: Sequence[str]) -> Optional[tuple[str, str]]:
     for a sweep, a Hydra flag, or a directory that cannot be resolved before Hydra runs."""
     if any(a in _MULTIRUN_FLAGS or a in _HYDRA_FLAGS_WITHOUT_RUN for a in argv):
         return None
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
     overrides = [a for a in argv if not a.startswith("-")]
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module="conf", version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=overrides,
-                                return_hydra_config=True)
-        run_dir = str(cfg.hydra.run.dir)
+        run_dir = str(composed(tuple(overrides)).hydra.run.dir)
     except Exception:  # e.g. a resolver only Hydra's run registers: its own check, later
         return None
-    finally:
-        GlobalHydra.instance().clear()
     named = any(o.startswith("hydra.run.dir=") for o in overrides)
     return os.path.abspath(run_dir), "hydra.run.dir" if named else "train.run_name"
 
