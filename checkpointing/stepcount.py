@@ -165,22 +165,28 @@ def install() -> None:
 
 
 class Times:
-    """The clock at each optimizer step's end; time.time() at the first (start-up ends)."""
+    """The clock at each optimizer step's end; time.time() at the first (start-up ends); the
+    memory peak reached by the last step's end (training's peak: what runs after the last step,
+    a final save or evaluation that a plain loop may not have, is not in it)."""
 
     def __init__(self) -> None:
         self.step_ends: list[float] = []
         self.first_step_unix: float | None = None
+        self.peak_rss_bytes = 0
+        self.max_allocated: int | None = None
 
     def __call__(self, *_) -> None:
         self.step_ends.append(time.perf_counter())
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
+        # Both only read counters: no synchronisation.
+        self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.max_allocated = torch.cuda.max_memory_allocated()
 
     def result(self) -> dict:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         return {"step_ends": self.step_ends, "first_step_unix": self.first_step_unix,
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "max_allocated": torch.cuda.max_memory_allocated() if cuda else None}
+                "peak_rss_bytes": self.peak_rss_bytes, "max_allocated": self.max_allocated}
 
 
 def main(argv: list[str]) -> None:
