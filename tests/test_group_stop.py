@@ -102,3 +102,41 @@ def test_a_killed_worker_is_named_in_one_line(tmp_path) -> None:
     out, err = group.communicate(timeout=120)
     assert group.returncode == 1, err[-3000:]
     assert "was killed by SIGKILL" in err and not any(t in err for t in TRACES), err[-3000:]
+
+
+def _leave(rank: int, port: int, rank1_sleep_s: float) -> None:
+    """One rank of a 2-rank gloo group whose store lives in rank 0's process (as under
+    launch.run): meet on the store, then exit at once."""
+    import torch.distributed as dist
+
+    from trainer import distenv
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 arrives first and polls
+    else:  # rank 1's polls are far apart, as on a loaded machine
+        sleep = time.sleep
+        distenv.time = type("Clock", (), {"sleep": staticmethod(lambda s: sleep(rank1_sleep_s)),
+                                          "monotonic": staticmethod(time.monotonic)})
+    distenv._meet_on_store(timeout_s=30.0)
+    os._exit(0)  # no teardown: rank 0's store goes with it
+
+
+def test_rank_0_leaves_only_after_the_others_are_done_with_its_store() -> None:
+    """A rank still asking the store after rank 0 (its host) has exited failed, so a stop that
+    saved (75) ended as a fault (1) on a loaded machine, and torchrun restarted the group."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_leave, args=(rank, port, 1.0)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]

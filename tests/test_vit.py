@@ -111,7 +111,8 @@ def test_synthetic_images_train_to_accuracy_sharded_as_in_one_process(tmp_path) 
         # The same global batch of 16 images: 2 micro-batches of 8 in one process, or 8 per
         # rank; dropout off, so the two runs must compute the same losses.
         check_ok(run_trainer([*CLI, f"checkpointing={policy}", f"hydra.run.dir={run_dir}",
-                              "train.global_batch_size=16", "model.dropout=0"], REPO,
+                              "train.global_batch_size=16", "model.dropout=0",
+                              "train.eval_at_start=true"], REPO,
                              nproc=nproc))
         runs[nproc] = run_dir
     one, two = step_losses(runs[1]), step_losses(runs[2])
@@ -200,7 +201,8 @@ def test_image_folder_run_reports_accuracy(tmp_path) -> None:
     check_ok(run_trainer([*CLI, "data=images", f"data.train_path={tmp_path / 'data/train'}",
                           f"data.val_path={tmp_path / 'data/val'}", "model.num_classes=2",
                           "train.steps=15", "train.micro_batch_size=4", "train.eval_batches=1",
-                          "checkpointing=selective", f"hydra.run.dir={run_dir}"], REPO))
+                          "checkpointing=selective", "train.eval_at_start=true",
+                          f"hydra.run.dir={run_dir}"], REPO))
     evals = [m for m in read_metrics(run_dir) if "val_accuracy" in m]
     assert [m["step"] for m in evals] == [0, 15]
     assert evals[-1]["val_accuracy"] == 1.0  # red against blue

@@ -136,3 +136,13 @@ def _meet_on_store(timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while store.add(key, 0) < target and time.monotonic() < deadline:
         time.sleep(0.01)
+    # Rank 0 leaves last: the store may live in its process (torchrun with
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch.run sets, or a static rendezvous), and a
+    # rank still polling a store whose process has exited fails, exiting 1 instead of its own
+    # status. The others say they are done with the store; rank 0 waits for all of them.
+    done_key, meeting = "blocktrain/left", target // world
+    if dist.get_rank() != 0:
+        store.add(done_key, 1)
+        return
+    while store.add(done_key, 0) < meeting * (world - 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
