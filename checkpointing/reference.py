@@ -39,6 +39,11 @@ QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128,
          "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2}
 WARMUP = 2  # step intervals left out of the timing (the first steps warm caches and allocators)
+# glibc's malloc moves its mmap and trim thresholds as a process frees large blocks, so two
+# processes doing the same step can differ in how many pages they fault in again every step, by
+# their history alone (measured: 1-1,500 against 3,000-6,600 a step, selective, 2026-12-01).
+# Both sides run with the thresholds fixed; the page-fault column shows what is left.
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 
 # What blocktrain does per step beyond the plain loop, on a step that is not logged: the most of
 # each it may do, and why. Anything else is flagged (tests/test_reference_bench.py fails on it).
@@ -92,7 +97,8 @@ def run(side: str, model: str, policy: str, a, out: str, timing: bool) -> dict:
     wrapper = ["-m", "checkpointing.stepcount", *(["--times"] if timing else []), where, module]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={a.nproc}"] if a.nproc > 1 else [sys.executable])
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // a.nproc))}
+    env = {**os.environ, **(MALLOC if a.malloc == "fixed" else {}),
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // a.nproc))}
     launched = time.time()
     done = subprocess.run([*launcher, *wrapper, *args], capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,6 +125,13 @@ def step_time(result: dict, typical=statistics.median) -> float:
     return max(of(r["step_ends"]) for r in result["ranks"])
 
 
+def page_faults(result: dict) -> float:
+    """Pages faulted in per step (minor faults: the OS handing memory back), the median step
+    after the warm-up, the rank with most; a count, not a clock."""
+    return max(statistics.median([b - a for a, b in zip(f, f[1:])][WARMUP:])
+               for f in (r["minflt"] for r in result["ranks"]))
+
+
 def peak(result: dict) -> int:
     return max(r["max_allocated"] or r["peak_rss_bytes"] for r in result["ranks"])
 
@@ -138,6 +151,7 @@ def timing_rows(pairs: list[tuple[str, str]], a, out: str) -> dict:
                 "ratio": step_time(got["bt"]) / step_time(got["plain"]),
                 # Other load only ever adds time: the fastest steps are the least disturbed.
                 "fastest": step_time(got["bt"], min) / step_time(got["plain"], min),
+                "faults": (page_faults(got["bt"]), page_faults(got["plain"])),
                 "step_s": step_time(got["plain"]), "peak": peak(got["bt"]) / peak(got["plain"]),
                 "startup": (got["bt"]["startup_s"], got["plain"]["startup_s"]),
                 "equal": losses_agree(got["bt"], got["plain"])})
@@ -199,16 +213,19 @@ def describe(found: dict[str, int]) -> str:
 
 def print_tables(timed: dict, counted: dict, a) -> None:
     print("| model | policy | step time x plain: median (range) | fastest step x plain: median "
-          "(range) | plain step s | peak memory in training x plain | launch to first step s: "
-          "blocktrain / plain | losses bitwise equal |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(range) | plain step s | peak memory in training x plain | page faults a step: "
+          "blocktrain / plain | launch to first step s: blocktrain / plain | losses bitwise "
+          "equal |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (model, policy), rounds in timed.items():
         ratios, fastest = [r["ratio"] for r in rounds], [r["fastest"] for r in rounds]
         bt_s, plain_s = (statistics.median(r["startup"][i] for r in rounds) for i in (0, 1))
         print(f"| {model} | {policy} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-"
               f"{max(ratios):.3f}) | {statistics.median(fastest):.3f} ({min(fastest):.3f}-"
               f"{max(fastest):.3f}) | {statistics.median(r['step_s'] for r in rounds):.3f} | "
-              f"{statistics.median(r['peak'] for r in rounds):.3f} | {bt_s:.1f} / "
+              f"{statistics.median(r['peak'] for r in rounds):.3f} | "
+              f"{statistics.median(r['faults'][0] for r in rounds):.0f} / "
+              f"{statistics.median(r['faults'][1] for r in rounds):.0f} | {bt_s:.1f} / "
               f"{plain_s:.1f} | {'yes' if all(r['equal'] for r in rounds) else 'NO'} |")
     print("\n| model | policy | ops/step: blocktrain / plain | hooks | host reads | Python calls "
           "| logged step: + ops, + hooks | blocktrain's extras (unlogged step) |")
@@ -243,6 +260,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.0, help="the Llama's (HF's: its config)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
+                   help="glibc's mmap/trim thresholds fixed in both processes, or its defaults")
     a = p.parse_args(argv)
     if a.steps < WARMUP + 3:
         p.error(f"--steps must be >= {WARMUP + 3}: {WARMUP} step intervals are not measured")
@@ -257,7 +276,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{started} at the start, {load_average()} at the end; torch {torch.__version__}; "
           f"python -m checkpointing.bench --reference --nproc {a.nproc} --repeat {a.repeat} "
           f"--steps {a.steps} --policies {a.policies} --models {a.models} --micro-batch "
-          f"{a.micro_batch} --seq {a.seq} --dropout {a.dropout} --device {a.device}")
+          f"{a.micro_batch} --seq {a.seq} --dropout {a.dropout} --device {a.device} --malloc "
+          f"{a.malloc}")
     print_tables(timed, counted, a)
     return 1 if any(row["unnamed"] for row in counted.values()) else 0
 

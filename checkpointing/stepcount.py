@@ -174,19 +174,22 @@ class Times:
         self.first_step_unix: float | None = None
         self.peak_rss_bytes = 0
         self.max_allocated: int | None = None
+        self.minflt: list[int] = []
 
     def __call__(self, *_) -> None:
         self.step_ends.append(time.perf_counter())
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
         # Both only read counters: no synchronisation.
-        self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.peak_rss_bytes = usage.ru_maxrss * 1024
+        self.minflt.append(usage.ru_minflt)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.max_allocated = torch.cuda.max_memory_allocated()
 
     def result(self) -> dict:
         return {"step_ends": self.step_ends, "first_step_unix": self.first_step_unix,
-                "peak_rss_bytes": self.peak_rss_bytes, "max_allocated": self.max_allocated}
+                "peak_rss_bytes": self.peak_rss_bytes, "max_allocated": self.max_allocated, "minflt": self.minflt}
 
 
 def main(argv: list[str]) -> None:
