@@ -42,7 +42,8 @@ WARMUP = 2  # step intervals left out of the timing (the first steps warm caches
 # glibc's malloc moves its mmap and trim thresholds as a process frees large blocks, so two
 # processes doing the same step can differ in how many pages they fault in again every step, by
 # their history alone (measured: 1-1,500 against 3,000-6,600 a step, selective, 2026-12-01).
-# Both sides run with the thresholds fixed; the page-fault column shows what is left.
+# `--malloc fixed` runs both sides with the thresholds fixed, to take that out of the step
+# times (the memory column then counts every block ever taken: read it under the default).
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 
 # What blocktrain does per step beyond the plain loop, on a step that is not logged: the most of
@@ -260,7 +261,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.0, help="the Llama's (HF's: its config)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
+    p.add_argument("--malloc", choices=("default", "fixed"), default="default",
                    help="glibc's mmap/trim thresholds fixed in both processes, or its defaults")
     a = p.parse_args(argv)
     if a.steps < WARMUP + 3:
