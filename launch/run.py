@@ -135,7 +135,10 @@ def agent_class(group: Group):
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.is_failed() and (group.stopping or all(
+            # One worker's decision (saved and stopped, a mistake) stops the group even where
+            # another failed as it went (a peer leaving mid-teardown): restarting would run a
+            # stopped job on.
+            if result.is_failed() and (group.stopping or any(
                     f.exitcode in DELIBERATE for f in result.failures.values())):
                 group.deliberate = True
                 self._remaining_restarts = 0  # a decision, not a fault: not restarted
@@ -160,6 +163,8 @@ def status_of(failed, group: Group) -> int:
             print(AT_ONCE_LINE, file=sys.stderr, flush=True)
         return INTERRUPTED
     rank, first = failed.get_first_failure()
+    decided = [f for f in failed.failures.values() if f.exitcode in DELIBERATE]
+    first = decided[0] if decided else first  # the decision, not a peer's failure after it
     if first.exitcode > 0:
         return first.exitcode  # the worker's own status; it printed its own line
     name = first.signal_name()

@@ -80,7 +80,8 @@ def test_a_stop_after_saving_exits_75_and_is_not_restarted(tmp_path, how) -> Non
         os.killpg(group.pid, signal.SIGTERM)
     out, err = group.communicate(timeout=120)
     last = max(step_losses(run_dir))
-    assert group.returncode == 75, err[-3000:]
+    assert group.returncode == 75, (out[-2000:], err[-3000:],
+                                    (run_dir / "train.log").read_text()[-3000:])
     assert committed_steps(run_dir) == [last] and last < 400
     assert not any(t in err for t in TRACES) and "resumed from" not in out, err[-3000:]
 
@@ -140,3 +141,20 @@ def test_rank_0_leaves_only_after_the_others_are_done_with_its_store() -> None:
     for p in procs:
         p.join(timeout=60)
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_the_status_is_the_decision_not_a_peer_failing_after_it() -> None:
+    """Rank 1 failing (1) as rank 0 stops after saving (75) is still a stop that saved: 75,
+    whichever torchrun recorded first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from launch.run import Group, status_of
+
+    def failure(rank: int, code: int, timestamp: int) -> ProcessFailure:
+        made = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+        made.timestamp = timestamp
+        return made
+
+    failed = ChildFailedError("trainer", {0: failure(0, 75, 20), 1: failure(1, 1, 10)})
+    assert failed.get_first_failure()[0] == 1  # torchrun's own pick: the peer
+    assert status_of(failed, Group()) == 75
