@@ -15,8 +15,9 @@ processes; only these differ:
   failed), 2 (a setting), 1; nothing is printed besides their lines, except one line for a worker
   killed by a signal (it could say nothing itself; exit 1). torchrun prints its SignalException
   or ChildFailedError trace and exits 1.
-- A worker that exits with one of those deliberate statuses is not restarted under
-  --max-restarts: only crashes are.
+- A group in which a worker exits with one of those deliberate statuses is not restarted under
+  --max-restarts, and that status is the launcher's, also when a peer failed as it left: only
+  crashes are restarted.
 - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless set: a restarted group otherwise can read the
   previous attempt's addresses from the agent's store (pytorch#135712).
 `LOGLEVEL=INFO` (torch's own switch) shows the agent's log lines again.
