@@ -211,10 +211,20 @@ def main(argv: list[str]) -> None:
     sys.argv = [module, *rest]
     if not timing:
         _CountOps().__enter__()
+    status = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     finally:
         write()
+    # Without the interpreter's teardown, once every figure is written and the exit handlers
+    # have run: a 2-rank gloo run once aborted there ("terminate called without an active
+    # exception", CI 2026-12-01), which failed a benchmark whose numbers were all in.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
