@@ -118,19 +118,21 @@ def run(side: str, model: str, policy: str, a, out: str, timing: bool) -> dict:
     return result
 
 
+def per_step(result: dict, key: str, typical=statistics.median) -> float:
+    """`typical` of a per-step-end reading's increments after the warm-up, the rank with most."""
+    def of(readings: list) -> float:
+        return typical([b - a for a, b in zip(readings, readings[1:])][WARMUP:])
+    return max(of(r[key]) for r in result["ranks"])
+
+
 def step_time(result: dict, typical=statistics.median) -> float:
-    """Seconds between optimizer steps after the warm-up (their median, or `typical` of them),
-    the slowest rank's."""
-    def of(ends: list[float]) -> float:
-        return typical([b - a for a, b in zip(ends, ends[1:])][WARMUP:])
-    return max(of(r["step_ends"]) for r in result["ranks"])
+    """Seconds between optimizer steps after the warm-up, the slowest rank's."""
+    return per_step(result, "step_ends", typical)
 
 
 def page_faults(result: dict) -> float:
-    """Pages faulted in per step (minor faults: the OS handing memory back), the median step
-    after the warm-up, the rank with most; a count, not a clock."""
-    return max(statistics.median([b - a for a, b in zip(f, f[1:])][WARMUP:])
-               for f in (r["minflt"] for r in result["ranks"]))
+    """Pages faulted in per step (minor faults), a count, not a clock."""
+    return per_step(result, "minflt")
 
 
 def peak(result: dict) -> int:

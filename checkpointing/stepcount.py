@@ -189,7 +189,8 @@ class Times:
 
     def result(self) -> dict:
         return {"step_ends": self.step_ends, "first_step_unix": self.first_step_unix,
-                "peak_rss_bytes": self.peak_rss_bytes, "max_allocated": self.max_allocated, "minflt": self.minflt}
+                "peak_rss_bytes": self.peak_rss_bytes, "max_allocated": self.max_allocated,
+                "minflt": self.minflt}
 
 
 def main(argv: list[str]) -> None:
