@@ -205,7 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference", action="store_true",
                         help="blocktrain against a plain PyTorch loop, in paired rounds, with "
                              "per-step counts (checkpointing/reference.py; it also takes "
-                             "--models, --micro-batch, --seq, --dropout, --device, --malloc)")
+                             "--models, --micro-batch, --seq, --dropout, --device, --malloc, "
+                             "--control)")
     parser.add_argument("--budgets", default=None,
                         help="comma-separated checkpointing.budget fractions: budget (eager, "
                              "compiled) beside checkpointing=compiler at each")

@@ -2,6 +2,8 @@
 
     python -m checkpointing.bench --reference [--nproc 2] [--repeat 3] [--steps 12]
         [--policies none,full,selective] [--models llama,hf] [--micro-batch 8] [--seq 256]
+        [--control]   (the plain loop on both sides: the spread this machine reads for equal
+                       programs, the yardstick for any ratio above)
 
 For each model (the built-in Llama, and a Hugging Face Qwen2 through model=hf) and each policy,
 `python -m trainer` and the plain loop of launch/gpu_reference.py (the GPU check's reference:
@@ -93,8 +95,9 @@ def run(side: str, model: str, policy: str, a, out: str, timing: bool) -> dict:
     """One run of blocktrain ("bt") or the plain loop ("plain") under checkpointing/stepcount.py;
     its per-rank results, launch-to-first-step seconds and (blocktrain) logged losses."""
     where = os.path.join(out, f"{model}-{policy}-{side}-{'t' if timing else 'c'}")
+    ours = side == "bt" and not a.control  # --control: the plain loop on both sides
     module, args = (("trainer", trainer_args(model, policy, a, os.path.join(where, "run")))
-                    if side == "bt" else ("launch.gpu_reference", reference_args(model, policy, a)))
+                    if ours else ("launch.gpu_reference", reference_args(model, policy, a)))
     wrapper = ["-m", "checkpointing.stepcount", *(["--times"] if timing else []), where, module]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={a.nproc}"] if a.nproc > 1 else [sys.executable])
@@ -109,7 +112,7 @@ def run(side: str, model: str, policy: str, a, out: str, timing: bool) -> dict:
     result = {"ranks": ranks, "losses": {}}
     if timing:
         result["startup_s"] = ranks[0]["first_step_unix"] - launched
-    if side == "plain":
+    if not ours:
         line = [ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1]
         result["losses"] = dict(enumerate(json.loads(line)["losses"], start=1))
     else:
@@ -265,6 +268,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--malloc", choices=("default", "fixed"), default="default",
                    help="glibc's mmap/trim thresholds fixed in both processes, or its defaults")
+    p.add_argument("--control", action="store_true",
+                   help="the plain loop on both sides: what this machine reads for two equal "
+                        "programs (the instrument's spread), no counts")
     a = p.parse_args(argv)
     if a.steps < WARMUP + 3:
         p.error(f"--steps must be >= {WARMUP + 3}: {WARMUP} step intervals are not measured")
@@ -272,7 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = load_average()
     with tempfile.TemporaryDirectory() as out:
         timed = timing_rows(pairs, a, out) if a.repeat else {}
-        counted = {pair: count_row(*pair, a, os.path.join(out, "counts")) for pair in pairs}
+        counted = {} if a.control else {
+            pair: count_row(*pair, a, os.path.join(out, "counts")) for pair in pairs}
     import torch
 
     print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, load average "
@@ -280,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"python -m checkpointing.bench --reference --nproc {a.nproc} --repeat {a.repeat} "
           f"--steps {a.steps} --policies {a.policies} --models {a.models} --micro-batch "
           f"{a.micro_batch} --seq {a.seq} --dropout {a.dropout} --device {a.device} --malloc "
-          f"{a.malloc}")
+          f"{a.malloc}{' --control' if a.control else ''}")
     print_tables(timed, counted, a)
     return 1 if any(row["unnamed"] for row in counted.values()) else 0
 

@@ -60,3 +60,22 @@ def test_timed_rounds_compare_the_same_losses(capsys) -> None:
     timed = _rows(capsys.readouterr().out, "llama")[0]
     ratio = float(timed[2].split()[0])
     assert 0.2 < ratio < 5 and timed[-1] == "yes"  # dropout on, recomputed: bitwise the same
+
+
+def test_the_control_runs_the_plain_loop_on_both_sides(capsys, monkeypatch) -> None:
+    """--control: two equal programs, so its ratios are the machine's spread, nothing else."""
+    real, commands = reference.subprocess.run, []
+
+    def spy(command, **kwargs):
+        commands.append(command)
+        return real(command, **kwargs)
+
+    monkeypatch.setattr(reference.subprocess, "run", spy)
+    assert reference.main(["--control", "--repeat", "1", "--models", "llama", "--policies",
+                           "none", *TINY]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out, "llama")
+    assert len(rows) == 1 and rows[0][-1] == "yes", out  # timed only: no counting runs
+    assert len(commands) == 2 and all("launch.gpu_reference" in c and "trainer" not in c
+                                      for c in commands), commands
+    assert "--control" in out.splitlines()[0]
