@@ -18,7 +18,6 @@ What this leaves out, the loop around the step (logging, votes, reading data) an
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -105,17 +104,13 @@ def row(policy: str, got: dict) -> str:
 
 
 def _setup(a) -> bool:
-    """Join torchrun's group (or make one of one rank); False: the caller's group (tests)."""
-    if dist.is_initialized():
-        a.rank, a.world = dist.get_rank(), dist.get_world_size()
-        return False
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group("gloo")
+    """Join torchrun's group or make one of one rank, as the plain loop does; False: the
+    caller's group (tests)."""
+    own = not dist.is_initialized()
+    if own:
+        plain.setup(argparse.Namespace(device="cpu"))
     a.rank, a.world = dist.get_rank(), dist.get_world_size()
-    return True
+    return own
 
 
 def main(argv=None) -> int:
