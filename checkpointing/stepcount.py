@@ -1,6 +1,7 @@
 """Counting what one training step does, without a clock: any training script, per step.
 
-    python -m checkpointing.stepcount [--times] OUT_DIR MODULE [args ...]   (also under torchrun)
+    python -m checkpointing.stepcount [--times [--turns FOLDER:first|second]] OUT_DIR MODULE
+        [args ...]   (also under torchrun)
 
 runs `python -m MODULE args` and writes OUT_DIR/rank<r>.json. With `--times`, nothing but the
 clock at the end of every optimizer step (a global optimizer post-hook: the same one call for
@@ -31,6 +32,8 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from checkpointing.turns import Turns
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE)) + os.sep  # the repository (the reference too)
@@ -167,37 +170,58 @@ def install() -> None:
 class Times:
     """The clock at each optimizer step's end; time.time() at the first (start-up ends); the
     memory peak reached by the last step's end (training's peak: what runs after the last step,
-    a final save or evaluation that a plain loop may not have, is not in it)."""
+    a final save or evaluation that a plain loop may not have, is not in it). With `turns`, the
+    turn is handed over after each reading and the seconds waited for it are off the clock."""
 
-    def __init__(self) -> None:
-        self.step_ends: list[float] = []
+    def __init__(self, turns: Turns | None = None) -> None:
+        self.turns = turns
+        self.step_ends: list[float] = []  # perf_counter, less the seconds waited for turns
+        self.step_ends_unix: list[float] = []  # time.time(), waits included
         self.first_step_unix: float | None = None
         self.peak_rss_bytes = 0
         self.max_allocated: int | None = None
         self.minflt: list[int] = []
 
     def __call__(self, *_) -> None:
-        self.step_ends.append(time.perf_counter())
+        waited = self.turns.waited if self.turns else 0.0
+        self.step_ends.append(time.perf_counter() - waited)
+        self.step_ends_unix.append(time.time())
         if self.first_step_unix is None:
-            self.first_step_unix = time.time()
+            self.first_step_unix = time.time() - waited
         # Both only read counters: no synchronisation.
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.peak_rss_bytes = usage.ru_maxrss * 1024
         self.minflt.append(usage.ru_minflt)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.max_allocated = torch.cuda.max_memory_allocated()
+        if self.turns:
+            self.turns.handover()
 
     def result(self) -> dict:
         return {"step_ends": self.step_ends, "first_step_unix": self.first_step_unix,
                 "peak_rss_bytes": self.peak_rss_bytes, "max_allocated": self.max_allocated,
-                "minflt": self.minflt}
+                "minflt": self.minflt, "step_ends_unix": self.step_ends_unix,
+                "waited_s": self.turns.waited if self.turns else 0.0,
+                "cpu_while_waiting_s": self.turns.cpu_while_waiting if self.turns else 0.0}
+
+
+def _turns(argv: list[str]) -> tuple[Turns | None, list[str]]:
+    """`--turns FOLDER:first|second` taken off the front of argv (checkpointing/turns.py)."""
+    if argv[0] != "--turns":
+        return None, argv
+    folder, _, side = argv[1].rpartition(":")
+    turns = Turns(folder, side == "first", int(os.environ.get("RANK", "0")))
+    if side == "second":
+        turns.start()
+    return turns, argv[2:]
 
 
 def main(argv: list[str]) -> None:
     timing = argv[0] == "--times"
-    out, module, rest = argv[timing], argv[timing + 1], argv[timing + 2:]
+    turns, argv = _turns(argv[timing:]) if timing else (None, argv)
+    out, module, rest = argv[0], argv[1], argv[2:]
     os.makedirs(out, exist_ok=True)
-    times = Times()
+    times = Times(turns)
     if timing:
         register_optimizer_step_post_hook(times)
     else:

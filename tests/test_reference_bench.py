@@ -4,6 +4,8 @@ model, and blocktrain's step does no more than the plain PyTorch loop of launch/
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from checkpointing import reference
@@ -64,13 +66,13 @@ def test_timed_rounds_compare_the_same_losses(capsys) -> None:
 
 def test_the_control_runs_the_plain_loop_on_both_sides(capsys, monkeypatch) -> None:
     """--control: two equal programs, so its ratios are the machine's spread, nothing else."""
-    real, commands = reference.subprocess.run, []
+    real, commands = reference.subprocess.Popen, []
 
     def spy(command, **kwargs):
         commands.append(command)
         return real(command, **kwargs)
 
-    monkeypatch.setattr(reference.subprocess, "run", spy)
+    monkeypatch.setattr(reference.subprocess, "Popen", spy)
     assert reference.main(["--control", "--repeat", "1", "--models", "llama", "--policies",
                            "none", *TINY]) == 0
     out = capsys.readouterr().out
@@ -78,4 +80,22 @@ def test_the_control_runs_the_plain_loop_on_both_sides(capsys, monkeypatch) -> N
     assert len(rows) == 1 and rows[0][-1] == "yes", out  # timed only: no counting runs
     assert len(commands) == 2 and all("launch.gpu_reference" in c and "trainer" not in c
                                       for c in commands), commands
-    assert "--control" in out.splitlines()[0]
+    assert "--control" in out.splitlines()[0] and "ops/step" not in out
+
+
+def test_two_runs_take_turns_a_step_each(tmp_path) -> None:
+    """--interleave steps (the default): the second program starts once the first has ended its
+    first step, then they alternate, step k of the first before step k of the second before
+    step k+1 of the first; the waits are off each one's step clock."""
+    a = argparse.Namespace(control=True, nproc=1, seq=32, micro_batch=2, steps=6, device="cpu",
+                           dropout=0.0, malloc="default")
+    got = reference.run_turns(("bt", "plain"), "llama", "none", a, str(tmp_path))
+    first, second = (got[s]["ranks"][0] for s in ("bt", "plain"))
+    ends = sorted([(t, "first") for t in first["step_ends_unix"]]
+                  + [(t, "second") for t in second["step_ends_unix"]])
+    assert [who for _, who in ends] == ["first", "second"] * a.steps, ends
+    assert first["waited_s"] > 0 and second["waited_s"] > 0
+    # Off the clock: the first's step clock runs slower than the wall clock by what it waited.
+    assert first["step_ends"][-1] - first["step_ends"][0] < (
+        first["step_ends_unix"][-1] - first["step_ends_unix"][0]) - 0.5 * first["waited_s"]
+    assert got["bt"]["losses"] == got["plain"]["losses"]
