@@ -272,3 +272,30 @@ def test_help_still_reaches_hydra(tmp_path) -> None:
                             env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "micro_batch_size: 16" in result.stdout
+
+
+def test_a_single_run_hands_hydra_the_mode_instead_of_a_third_composition(monkeypatch) -> None:
+    """trainer/__main__.py: Hydra composes the config once more only to read `hydra.mode`; for a
+    single run the pre-flight check's composition answers (no composition at that call), and
+    what it answers is what the overrides say. A sweep keeps Hydra's own."""
+    import trainer.__main__ as entry
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra.types import RunMode
+
+    original = Hydra.get_mode
+    monkeypatch.setattr(Hydra, "get_mode", original)  # put back after the test
+    loads, load = [], ConfigLoaderImpl.load_configuration
+
+    def counted(self, *args, **kwargs):
+        loads.append(kwargs.get("overrides"))
+        return load(self, *args, **kwargs)
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted)
+
+    entry._hand_hydra_the_mode(["-m", "train.steps=1,2"])
+    assert Hydra.get_mode is original
+    for argv, mode in ((["train.steps=3"], None), (["hydra.mode=MULTIRUN"], RunMode.MULTIRUN)):
+        entry._hand_hydra_the_mode(argv)
+        before = len(loads)
+        assert Hydra.get_mode(None, config_name="config", overrides=argv) == mode
+        assert len(loads) == before and Hydra.get_mode is not original

@@ -11,7 +11,7 @@ import functools
 import os
 import re
 import sys
-from typing import Mapping, Optional, Sequence, get_type_hints
+from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
 from trainer.validate import Layout, check_writable, validate  # noqa: F401
@@ -252,6 +252,18 @@ def run_dir_of(argv: Sequence[str]) -> Optional[tuple[str, str]]:
         return None
     named = any(o.startswith("hydra.run.dir=") for o in overrides)
     return os.path.abspath(run_dir), "hydra.run.dir" if named else "train.run_name"
+
+
+def known_run_mode(argv: Sequence[str]) -> tuple[bool, Any]:
+    """(True, `hydra.mode` as these overrides compose it) for a single run of plain overrides,
+    from the composition the pre-flight check made (cached); (False, None) for anything with a
+    flag (a sweep, Hydra's own options), or a command line that does not compose."""
+    if any(a.startswith("-") for a in argv):
+        return False, None
+    try:
+        return True, composed(tuple(argv)).hydra.mode
+    except Exception:  # Hydra's own run reports it
+        return False, None
 
 
 def hydra_argv(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> list[str]:
