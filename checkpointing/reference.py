@@ -63,18 +63,19 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2*
 # What blocktrain does per step beyond the plain loop, on a step that is not logged: the most of
 # each it may do, and why. Anything else is flagged (tests/test_reference_bench.py fails on it).
 NAMED_EXTRAS = {
-    "c10d.allreduce_.default": (2, "the loss averaged over ranks (the logged loss and the fault "
-                                   "guard's, faults.*) and the end-of-step stop vote (StopVote)"),
-    "aten.clone.default": (1, "the loss averaged over ranks: the copy all-reduced"),
-    "aten.div_.Tensor": (1, "the loss averaged over ranks: / world"),
+    "c10d.allreduce_.default": (1, "the loss's mean over ranks (the logged loss and the fault "
+                                   "guard's, faults.*) and the stop vote (StopVote), summed "
+                                   "together in host memory"),
+    "aten.lift_fresh.default": (1, "that all-reduce's host tensor: this rank's loss and ballot"),
+    "aten.slice.Tensor": (1, "the loss's mean: the summed loss / world, in place"),
+    "aten.div_.Tensor": (1, "the loss's mean: / world"),
     "aten.detach.default": (1, "the step's loss, detached to be averaged"),
     "aten.stack.default": (1, "loss and gradient norm stacked: read together, once"),
     "aten.view.default": (1, "the gradient norm gathered (DTensor.full_tensor) before clipping; "
                              "clip_grad_norm_ gathers it inside a DTensor op the count does not "
                              "see into"),
-    "aten.lift_fresh.default": (1, "the stop vote's flags"),
-    "tolist": (2, "loss and gradient norm, read before the update for the fault guard; the stop "
-                  "vote's result (host memory: no device wait)"),
+    "tolist": (2, "loss and gradient norm, read before the update for the fault guard; the "
+                  "loss's mean and the vote's result (host memory: no device wait)"),
     "cuda.synchronize": (1, "on a GPU, the step's time includes the device's work (the plain "
                             "loop's loss.item() waits at its end instead)"),
 }

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,21 @@ def reduce_mean(value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value)  # gloo has no AVG: sum, then divide
         value /= dist.get_world_size()
     return value
+
+
+def mean_and_sums(value: float, counts: Sequence[int],
+                  dtype: torch.dtype = torch.float32) -> tuple[float, list[int]]:
+    """`value`'s mean over the ranks and `counts`' sums, in one all-reduce of host memory (gloo,
+    which every process group here has): one collective a step carries the loss and the stop
+    vote. The mean is taken in `dtype` (the loss's, when float32 or float64) as reduce_mean
+    takes it, sum then divide, so a float32 loss averages to the same bits."""
+    dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    host = torch.tensor([value, *counts], dtype=dtype)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(host)  # gloo has no AVG: sum, then divide
+        host[:1].div_(dist.get_world_size())
+    mean, *sums = host.tolist()
+    return mean, [int(c) for c in sums]
 
 
 def _store_is_gone() -> bool:

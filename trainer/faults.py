@@ -101,14 +101,16 @@ def _same_process_group_as_parent() -> bool:
 
 
 class StopVote:
-    """The end-of-step decision every rank takes together: stop now (a signal on any rank, a
+    """The decision every rank takes together after a step: stop now (a signal on any rank, a
     lost launcher, `train.stop_at_step`), and whether every rank's async save has finished
     (the checkpointer commits it then). `checkpointer` needs `local_done()` and `poll(all)`.
 
-    Worth its all-reduce of two integers per step: a signal or a lost agent can reach some
-    ranks only, and an async save finishes at different times on different ranks; without the
-    vote ranks would stop or commit at different steps and the next collective would hang.
-    The vote goes through host memory (gloo, which every process group here has), so on a GPU
+    A signal or a lost agent can reach some ranks only, and an async save finishes at different
+    times on different ranks; without a vote ranks would stop or commit at different steps and
+    the next collective would hang. Each rank's ballot (`ballot`) is summed over the ranks in the
+    one small all-reduce of host memory the step already makes for its loss (train_step,
+    distenv.mean_and_sums), after the backward: a signal arriving later in the step (the update,
+    logging, evaluation) is counted at the next step's. Through host memory (gloo), so on a GPU
     it neither waits for the device nor queues behind the step's kernels."""
 
     def __init__(self, preemption: PreemptionSignal, checkpointer,
@@ -116,29 +118,20 @@ class StopVote:
         self.preemption, self.checkpointer = preemption, checkpointer
         self.stop_at_step, self.steps = stop_at_step, steps
 
-    def vote(self, step: int) -> Optional[str]:
-        """Why every rank stops after `step` (None: go on). One small all-reduce."""
-        stop, saved = step_vote([self.preemption.received is not None,
-                                 self.checkpointer.local_done()])
+    def ballot(self) -> list[int]:
+        """This rank's vote, to be summed over the ranks: [signalled, async save not finished]."""
+        return [int(self.preemption.received is not None),
+                int(not self.checkpointer.local_done())]
+
+    def decide(self, step: int, summed: Sequence[int]) -> Optional[str]:
+        """Why every rank stops after `step` (None: go on), from the ballots summed over the
+        ranks; commits a finished async save when no rank's is still being written."""
+        stop, saved = summed[0] > 0, summed[1] == 0
         self.checkpointer.poll(saved)
         reason = (self.preemption.received or "another rank's signal") if stop else None
         if step == self.stop_at_step and step < self.steps:
             reason = "train.stop_at_step"
         return reason
-
-
-def step_vote(flags: Sequence[bool]) -> list[bool]:
-    """Per flag: did any rank raise it (index 0..) — except the last, which asks whether all did.
-
-    One small all-reduce per step, of a host tensor, read once; by convention the last flag is
-    "my async save is finished" (committed only when every rank's is).
-    """
-    votes = [int(f) for f in flags[:-1]] + [int(not flags[-1])]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        summed = torch.tensor(votes)
-        dist.all_reduce(summed)
-        votes = summed.tolist()
-    return [bool(v) for v in votes[:-1]] + [votes[-1] == 0]
 
 
 @dataclass

@@ -2,7 +2,7 @@
 part: take the batch, train the step, log, evaluate, vote, save.
 
 Each part decides its own timing (`StepLog.should_log`, `Evaluation.should_evaluate`,
-`Saver.should_save`, `StopVote.vote`), and a part that is off does nothing, so the loop tests no
+`Saver.should_save`, `StopVote.decide`), and a part that is off does nothing, so the loop tests no
 settings. Ranks other than 0 hold a logger that drops what it is given, so the loop has no rank
 checks either. Resume and rollback live in trainer/state/, alerts and the dashboard in
 trainer/observe/, faults in trainer/faults.py.
@@ -16,7 +16,7 @@ import gc
 import logging
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from trainer.build import build_model
 from trainer.config import Config
 from trainer.data.prefetch import Prefetcher
 from trainer.data.tokens import step_counts, train_batch, val_batches
-from trainer.distenv import DistEnv, init_distributed, read_env, reduce_mean, shutdown
+from trainer.distenv import DistEnv, init_distributed, mean_and_sums, read_env, shutdown
 from trainer.faults import (Collectives, LossFn, LossGuard, PreemptionSignal, StopVote, Verdict,
                             injected_loss)
 from trainer.fit.autofit import fitting, rows as fit_rows, table as fit_table
@@ -61,9 +61,11 @@ Batch = tuple[torch.Tensor, ...]  # (inputs, targets), or packed: (inputs, targe
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: Sequence[Batch], grad_clip: float, meter: SavedBytesMeter,
                offloader: Optional[Offloader], guard: LossGuard,
-               loss_fn: LossFn = lm_loss,
-               normaliser: Optional[int] = None) -> tuple[float, float, Verdict]:
-    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, verdict).
+               loss_fn: LossFn = lm_loss, normaliser: Optional[int] = None,
+               ballot: Callable[[], Sequence[int]] = list,
+               ) -> tuple[float, float, Verdict, list[int]]:
+    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, verdict,
+    the ballots summed over the ranks: StopVote.ballot, read after the backward).
 
     normaliser: for a loss summed over supervised targets (packed documents), their count in
     the whole global batch, so that the loss is their mean whatever the micro-batches and
@@ -98,14 +100,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
     # The guard needs both before the update: read together, one wait for the device.
     # (FSDP's CPU offload leaves the norm in host memory: it joins the loss on the device.)
-    loss = reduce_mean(total_loss)
-    loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.device)]).tolist()
+    local_loss, norm_value = torch.stack([total_loss, grad_norm.to(total_loss.device)]).tolist()
+    # One collective: the loss's mean over the ranks and the stop vote, in host memory.
+    loss_value, ballots = mean_and_sums(local_loss, ballot(), total_loss.dtype)
     verdict = guard.judge(loss_value, norm_value)
     if verdict.ok:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, norm_value, verdict
+    return loss_value, norm_value, verdict, ballots
 
 
 def step_seconds(started: float, device: torch.device, synchronize=None) -> float:
@@ -258,10 +261,10 @@ class Trainer:
                     self.steplog.measuring(step, self.model, self.optimizer, micro_batches,
                                            index):
                 counts = self._global_counts(counts)
-                loss, grad_norm, verdict = train_step(
+                loss, grad_norm, verdict, ballots = train_step(
                     self.model, self.optimizer, self.scheduler, micro_batches,
                     self.cfg.optim.grad_clip, self.meter, self.built.offloader, self.guard,
-                    loss_fn, counts and counts[0])
+                    loss_fn, counts and counts[0], self.stops.ballot)
             self.progress.batch_index += 1
             if not verdict.ok:
                 self.progress = bad_step(verdict, step, self.progress, self.checkpointer,
@@ -274,8 +277,8 @@ class Trainer:
             self.steplog.step(step, loss, grad_norm, lr, step_seconds(started, self.device),
                               data_wait_s, self.progress.tokens_seen, index + 1, counts)
             self.evaluation.maybe(step, index + 1)
-            with self.collectives(f"the end-of-step vote of step {step}"):
-                stop_reason = self.stops.vote(step)
+            with self.collectives(f"the end of step {step} (an async save's commit)"):
+                stop_reason = self.stops.decide(step, ballots)
             self.saver.save(step, stop_reason is not None, self.model, self.optimizer,
                             self._train_state)
             if stop_reason is not None:

@@ -1,0 +1,58 @@
+"""The step's one all-reduce (trainer/distenv.py `mean_and_sums`): it carries the loss's mean
+over the ranks and every rank's stop ballot (trainer/faults.py `StopVote`) together. The mean
+has the bits the device path (`reduce_mean`) gives; the vote stops every rank when one was
+signalled, and commits an async save only when every rank's has finished."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist import spawn
+from trainer.faults import StopVote
+
+
+class _Signal:
+    def __init__(self, received=None) -> None:
+        self.received = received
+
+
+class _Checkpointer:
+    def __init__(self, done: bool) -> None:
+        self.done, self.polled = done, []
+
+    def local_done(self) -> bool:
+        return self.done
+
+    def poll(self, all_done: bool) -> None:
+        self.polled.append(all_done)
+
+
+def _step_end(rank: int, world: int, signalled: int, saving: int) -> tuple:
+    from trainer.distenv import mean_and_sums, reduce_mean
+
+    loss = torch.tensor(2.0 / 3.0 + rank / 7.0, dtype=torch.float32)
+    checkpointer = _Checkpointer(done=rank != saving)
+    vote = StopVote(_Signal("SIGTERM" if rank == signalled else None), checkpointer, None, 100)
+    mean, sums = mean_and_sums(float(loss), vote.ballot(), loss.dtype)
+    return mean, reduce_mean(loss).item(), vote.decide(5, sums), checkpointer.polled
+
+
+def test_one_all_reduce_carries_the_mean_and_the_vote() -> None:
+    # Rank 1 signalled, rank 0's async save still being written.
+    for rank, (mean, device_mean, reason, polled) in enumerate(spawn(_step_end, 2, 1, 0)):
+        assert mean == device_mean  # bitwise: the logged losses do not move
+        assert reason == ("SIGTERM" if rank == 1 else "another rank's signal")
+        assert polled == [False]  # not committed while a rank still writes
+    for mean, device_mean, reason, polled in spawn(_step_end, 2, -1, -1):
+        assert mean == device_mean and reason is None and polled == [True]
+
+
+def test_a_world_of_one_votes_alone() -> None:
+    from trainer.distenv import mean_and_sums
+
+    checkpointer = _Checkpointer(done=False)
+    vote = StopVote(_Signal(), checkpointer, stop_at_step=3, steps=10)
+    mean, sums = mean_and_sums(0.25, vote.ballot())
+    assert (mean, sums) == (0.25, [0, 1])
+    assert vote.decide(2, sums) is None and checkpointer.polled == [False]
+    assert vote.decide(3, sums) == "train.stop_at_step"
