@@ -32,17 +32,23 @@ def test_ctrl_c_finishes_the_step_saves_and_exits(tmp_path) -> None:
 
 
 def test_second_ctrl_c_stops_at_once(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    # A slow step (a big micro-batch) so the second Ctrl-C lands inside it.
-    process = start_trainer(LONG_RUN + ["train.micro_batch_size=64", "data.seq_len=256",
-                                        f"hydra.run.dir={run_dir}"], tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for_step(run_dir, 1, process)
-    process.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == 130 and "Traceback" not in out + err, err[-3000:]
+    # Two SIGINTs that both arrive during one long operator (a backward is one C++ call) reach
+    # Python's handler once: CPython keeps a flag per signal, not a count, and the run then
+    # does what one Ctrl-C asks (CI 2026-12-02). Such a pair is tried again, up to three times.
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        # A slow step (a big micro-batch) so the second Ctrl-C lands inside it.
+        process = start_trainer(LONG_RUN + ["train.micro_batch_size=64", "data.seq_len=256",
+                                            f"hydra.run.dir={run_dir}"], tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        wait_for_step(run_dir, 1, process)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 130 and "Traceback" not in out + err, err[-3000:]
+        if "stopping (Ctrl-C): saved step" not in out:  # both Ctrl-Cs were seen
+            break
     assert err.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
 
 
