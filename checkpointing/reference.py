@@ -104,10 +104,15 @@ def reference_args(model: str, policy: str, a) -> list[str]:
             "--dropout", str(a.dropout)]
 
 
+def is_ours(side: str, a) -> bool:
+    """Whether this side runs blocktrain (--control: the plain loop on both sides)."""
+    return side == "bt" and not a.control
+
+
 def command(side: str, model: str, policy: str, a, where: str, timing: bool,
             turns: str = "") -> list[str]:
     """The command line of one run under checkpointing/stepcount.py."""
-    ours = side == "bt" and not a.control  # --control: the plain loop on both sides
+    ours = is_ours(side, a)
     module, args = (("trainer", trainer_args(model, policy, a, os.path.join(where, "run")))
                     if ours else ("launch.gpu_reference", reference_args(model, policy, a)))
     wrapper = ["-m", "checkpointing.stepcount", *(["--times"] if timing else []),
@@ -138,7 +143,7 @@ def finish(side: str, model: str, policy: str, a, where: str, started: tuple) ->
     result = {"ranks": ranks, "losses": {}}
     if isinstance(ranks[0], dict):  # a timed run (a counting run's file lists its intervals)
         result["startup_s"] = ranks[0]["first_step_unix"] - launched
-    if not (side == "bt" and not a.control):
+    if not is_ours(side, a):
         with open(where + ".out") as out:
             line = [ln for ln in out.read().splitlines() if ln.startswith("{")][-1]
         result["losses"] = dict(enumerate(json.loads(line)["losses"], start=1))
