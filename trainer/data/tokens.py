@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import sysconfig
+import threading
 import zlib
 from typing import Protocol
 
@@ -192,13 +193,45 @@ class SyntheticWindows:
 # ---------------------------------------------------------------- sampling
 
 
-@functools.lru_cache(maxsize=2)
-def _epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
-    # A pure function of its arguments, so memoising it cannot change results; two
-    # entries cover a step whose global batch straddles an epoch boundary. Kept as int32 where
-    # the indices fit (the same values, half the memory it holds for the whole run).
-    order = np.random.default_rng([seed, epoch]).permutation(num_windows)
-    return order.astype(np.int32) if num_windows <= np.iinfo(np.int32).max else order
+# An epoch's order is held a part at a time: a run holds 2^16 entries of it (256 KiB), or a
+# 64th of an epoch on a corpus of over 4M windows, not 4 bytes for every window of the corpus
+# (4 MiB for data=synthetic's 2^20, 400 MiB for 10^8 windows) from the first step to the last.
+# Each part is cut from the whole order drawn again, so a rank redraws it once per part it enters.
+ORDER_PART_MIN = 1 << 16
+ORDER_PARTS_MAX = 64
+
+
+def order_part_size(num_windows: int) -> int:
+    return max(ORDER_PART_MIN, -(-num_windows // ORDER_PARTS_MAX))
+
+
+@functools.lru_cache(maxsize=4)
+def _order_part(seed: int, epoch: int, num_windows: int, part: int) -> np.ndarray:
+    # A pure function of its arguments, so memoising it cannot change results; four entries
+    # cover a step that straddles a part and an epoch boundary at once. Shuffling an int32
+    # arange draws what Generator.permutation(num_windows) draws (it shuffles an arange), in
+    # half the memory (tests/test_data.py compares the two).
+    dtype = np.int32 if num_windows <= np.iinfo(np.int32).max else np.int64
+    order = np.arange(num_windows, dtype=dtype)
+    np.random.default_rng([seed, epoch]).shuffle(order)
+    size = order_part_size(num_windows)
+    return order[part * size:(part + 1) * size].copy()
+
+
+_ORDER_LOCK = threading.Lock()  # read-ahead threads: one draw of a part, not one each
+
+
+def _epoch_order(seed: int, epoch: int, num_windows: int, positions: np.ndarray) -> np.ndarray:
+    """perm_epoch[positions]: the windows at these positions of the epoch's order."""
+    size = order_part_size(num_windows)
+    parts = positions // size
+    out = np.empty_like(positions)
+    for part in np.unique(parts):
+        in_part = parts == part
+        with _ORDER_LOCK:
+            order = _order_part(seed, epoch, num_windows, int(part))
+        out[in_part] = order[positions[in_part] - part * size]
+    return out
 
 
 def _stack(dataset: Windows, window_ids: np.ndarray, draws: np.ndarray | None = None) -> Batch:
@@ -252,8 +285,8 @@ def windows_of(samples: np.ndarray, num_windows: int, seed: int) -> np.ndarray:
     window_ids = np.empty_like(samples)
     for epoch in np.unique(epochs):
         in_epoch = epochs == epoch
-        permutation = _epoch_permutation(seed, int(epoch), num_windows)
-        window_ids[in_epoch] = permutation[samples[in_epoch] % num_windows]
+        window_ids[in_epoch] = _epoch_order(seed, int(epoch), num_windows,
+                                            samples[in_epoch] % num_windows)
     return window_ids
 
 
