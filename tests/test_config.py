@@ -98,6 +98,7 @@ def test_config_keys_are_frozen() -> None:
         "train.global_batch_size", "train.eval_every", "train.eval_batches",
         "train.eval_at_start", "train.run_name",
         "train.out_dir", "train.device", "train.compile", "train.compile_backend",
+        "train.cpu_heap",
         "train.dist_timeout_s",
         "train.stop_at_step", "train.memory_gib", "train.memory_reserve_gib",
         "sharding.mode", "sharding.replicate", "sharding.reshard_after_forward",

@@ -154,6 +154,10 @@ class TrainConfig:
     # torch.compile backend: inductor (generated kernels), aot_eager (traced, no codegen: for
     # checking a setup quickly), eager (dynamo capture only).
     compile_backend: str = "inductor"
+    # CPU runs: glibc's mmap and trim thresholds fixed at the highest values its moving ones
+    # reach (steady), so a step's memory is reused and not faulted in again every step; glibc:
+    # leave them moving with the process's history (offload/heap.py). MALLOC_* set wins.
+    cpu_heap: str = "steady"
     dist_timeout_s: int = 600
     # End this process after this step, saving first, as a preemption would (exit status
     # save.preempt_exit_code); started again, the run continues. For time-sliced jobs and drills.
@@ -295,6 +299,7 @@ CHOICES = {
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.compile_backend": ("inductor", "aot_eager", "eager"),
+    "train.cpu_heap": ("steady", "glibc"),
     "sharding.mode": ("fsdp", "hsdp", "none"),
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget", "auto",
                              "file", "compiler"),

@@ -28,6 +28,7 @@ from checkpointing.policies import added_seconds
 from checkpointing.saved import SavedBytesMeter
 from offload.apply import close_offloader, offload_micro_batch
 from offload.engine import Offloader
+from offload.heap import steady_thresholds
 from sharding.fsdp import set_grad_sync
 from trainer.build import build_model
 from trainer.config import Config
@@ -143,6 +144,8 @@ def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = 
     save.preempt_exit_code). keep_process_group: more jobs follow in this process (a `-m`
     sweep); they reuse the group."""
     denv = read_env(cfg.train.device)
+    if denv.device.type == "cpu" and cfg.train.cpu_heap == "steady":  # before the model exists
+        log.debug("glibc's heap thresholds: %s (train.cpu_heap)", steady_thresholds())
     init_distributed(denv, cfg.train.dist_timeout_s)
     try:
         # Dropout masks differ per rank (as their data does) but repeat run to run.
