@@ -56,8 +56,11 @@ WARMUP = 2  # step intervals left out of the timing (the first steps warm caches
 # glibc's malloc moves its mmap and trim thresholds as a process frees large blocks, so two
 # processes doing the same step can differ in how many pages they fault in again every step, by
 # their history alone (measured: 1-1,500 against 3,000-6,600 a step, selective, 2026-12-01).
-# `--malloc fixed` runs both sides with the thresholds fixed, to take that out of the step
-# times (the memory column then counts every block ever taken: read it under the default).
+# blocktrain's CPU runs now fix their own at glibc's ceilings (train.cpu_heap=steady), the
+# plain loop's move as they come: that is `--malloc default`. `--malloc fixed` runs both sides
+# with the same fixed thresholds (blocktrain leaves MALLOC_* as set), the allocator taken out
+# of the comparison (the memory column then counts every block ever taken: read it under the
+# default).
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 
 # What blocktrain does per step beyond the plain loop, on a step that is not logged: the most of
