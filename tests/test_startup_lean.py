@@ -1,5 +1,7 @@
-"""What a run does not pay for before it needs it: DCP's import and the checkpointer's gloo group
-come with the first save (or a resume that loads), not with start-up (issue 28)."""
+"""What a run does not pay for before it needs it: DCP's import comes with the first save (or a
+resume that loads), not with start-up (issue 28). The checkpointer's gloo group does come with
+start-up, once: making a group needs the rendezvous store, which dies with the torchrun agent, and
+a stop must still save after that (tests/test_stopping.py)."""
 
 from __future__ import annotations
 
@@ -44,11 +46,11 @@ def _steps(tmp_path, *extra: str) -> list[dict]:
     return json.loads(line.removeprefix("SEEN "))
 
 
-def test_dcp_and_the_save_group_come_with_the_first_save(tmp_path) -> None:
+def test_dcp_comes_with_the_first_save_and_the_save_group_with_start_up(tmp_path) -> None:
     steps = _steps(tmp_path)
     assert len(steps) == 4
     # Steps 1 and 2 run before the first save (it follows step 2's update and its post-hook).
-    assert steps[0] == {"dcp": False, "groups": []} == steps[1], steps
+    assert steps[0] == {"dcp": False, "groups": ["gloo"]} == steps[1], steps
     assert steps[2] == {"dcp": True, "groups": ["gloo"]} == steps[3], steps  # made once
     # A resume that finds the checkpoint loads it before the first step: both come at once.
     # (Loading an optimizer's state makes DCP take one empty step first: one record more.)

@@ -53,9 +53,6 @@ def _failures() -> tuple[type, ...]:
     return (Exception, _dcp().api.CheckpointException)
 
 
-_UNMADE = object()
-
-
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names it and what to change."""
 
@@ -148,21 +145,14 @@ class Checkpointer:
         self.root, self.keep, self.async_save = root, keep, async_save
         self.model_settings = model_settings or {}  # to name what changed when shapes differ
         self.rank, self.world_size, self.device = rank, world_size, device
-        self._group: Any = _UNMADE
+        # Made now, not at the first save: making a group needs the rendezvous store, which
+        # dies with the torchrun agent, and a save must still work after that (a stop).
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: Optional[tuple[int, str, Future]] = None
         self._files: Optional[dict[str, list[int]]] = None  # this rank's, once written
         self.last_committed: Optional[int] = None
         if rank == 0:
             os.makedirs(root, exist_ok=True)
-
-    @property
-    def group(self) -> Optional[dist.ProcessGroup]:
-        """The gloo group saving runs on, made when first used (a save or a load: collectives,
-        so every rank makes it at the same point) rather than at start-up, where it would cost a
-        rendezvous and its threads in every run."""
-        if self._group is _UNMADE:
-            self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        return self._group
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -299,8 +289,8 @@ class Checkpointer:
                 choice[1] = (f"every checkpoint in {self.root} is damaged (" + "; ".join(
                     f"{os.path.basename(p)}: {why}" for p, why in damaged) + "); to start over "
                     "deliberately, set save.resume=false (they are moved aside, not deleted)")
-        if dist.is_initialized() and dist.get_world_size() > 1:  # no save runs beside it
-            dist.broadcast_object_list(choice, src=0)
+        if self.group is not None:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
         if choice[1] is not None:
             raise CheckpointError(choice[1])
         if choice[0] is None:
