@@ -23,8 +23,10 @@ def test_what_exists_is_frozen_inside_and_collectable_again_after() -> None:
     assert before == 0
     with setup_frozen():
         inside = gc.get_freeze_count()
-        made_inside = [object()]  # noqa: F841 (made after the freeze: not frozen)
-        assert gc.get_freeze_count() == inside
+        made_inside = [[] for _ in range(10_000)]  # noqa: F841 (made after the freeze)
+        # At most equal: another thread of this worker may free a frozen object meanwhile,
+        # but nothing made after the freeze may join the frozen generation.
+        assert gc.get_freeze_count() <= inside
     assert inside > 1000  # the interpreter, torch and the test's modules
     assert gc.get_freeze_count() == 0
 
