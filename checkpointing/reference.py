@@ -2,7 +2,7 @@
 
     python -m checkpointing.bench --reference [--nproc 2] [--repeat 3] [--steps 12]
         [--policies none,full,selective] [--models llama,hf] [--micro-batch 8] [--seq 256]
-        [--interleave steps|runs]
+        [--interleave steps|runs] [--layers 4]
         [--control]   (the plain loop on both sides: the spread this machine reads for equal
                        programs, the yardstick for any ratio above)
 
@@ -84,11 +84,18 @@ NAMED_EXTRAS = {
 }
 
 
+def shapes(model: str, layers: int) -> dict:
+    """The Llama's trainer settings, or the Qwen2's config, with `layers` blocks."""
+    return ({**LLAMA, "model.n_layers": layers} if model == "llama" else
+            {**QWEN2, "num_hidden_layers": layers})
+
+
 def trainer_args(model: str, policy: str, a, run_dir: str) -> list[str]:
-    shapes = ([f"{k}={v}" for k, v in LLAMA.items()] + ["model.tie_embeddings=false"]
-              if model == "llama" else
-              ["model=hf", "model.hf_config=" + json.dumps(QWEN2).replace('"', "")])
-    return [f"checkpointing={policy}", *shapes, "data=synthetic", f"data.seq_len={a.seq}",
+    shape = shapes(model, a.layers)
+    shapes_args = ([f"{k}={v}" for k, v in shape.items()] + ["model.tie_embeddings=false"]
+                   if model == "llama" else
+                   ["model=hf", "model.hf_config=" + json.dumps(shape).replace('"', "")])
+    return [f"checkpointing={policy}", *shapes_args, "data=synthetic", f"data.seq_len={a.seq}",
             f"train.micro_batch_size={a.micro_batch}", f"train.steps={a.steps}",
             f"train.device={a.device}", "logging.wandb=false", "logging.progress=false",
             f"model.dropout={a.dropout}" if model == "llama" else "model.dropout=0",
@@ -99,11 +106,12 @@ def reference_args(model: str, policy: str, a) -> list[str]:
     common = ["--policy", policy, "--seq", str(a.seq), "--micro-batch", str(a.micro_batch),
               "--steps", str(a.steps), "--param-dtype", "none", "--device", a.device]
     if model == "hf":
-        return [*common, "--hf-config", json.dumps(QWEN2)]
+        return [*common, "--hf-config", json.dumps(shapes(model, a.layers))]
     flags = {"model.dim": "--dim", "model.n_layers": "--layers", "model.n_heads": "--heads",
              "model.n_kv_heads": "--kv-heads", "model.ffn_hidden": "--ffn",
              "model.vocab_size": "--vocab", "model.rope_theta": "--rope-theta"}
-    return [*common, *[x for k, v in LLAMA.items() for x in (flags[k], str(v))], "--untied",
+    return [*common, *[x for k, v in shapes(model, a.layers).items() for x in (flags[k], str(v))],
+            "--untied",
             "--dropout", str(a.dropout)]
 
 
@@ -344,6 +352,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.0, help="the Llama's (HF's: its config)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="blocks of both models (the issue's own first measurement had 8)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--malloc", choices=("default", "fixed"), default="default",
                    help="glibc's mmap/trim thresholds fixed in both processes, or its defaults")
@@ -372,7 +382,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"python -m checkpointing.bench --reference --nproc {a.nproc} --repeat {a.repeat} "
           f"--steps {a.steps} --policies {a.policies} --models {a.models} --micro-batch "
           f"{a.micro_batch} --seq {a.seq} --dropout {a.dropout} --device {a.device} --malloc "
-          f"{a.malloc} --interleave {a.interleave}{' --control' if a.control else ''}"
+          f"{a.malloc} --interleave {a.interleave} --layers {a.layers}"
+          f"{' --control' if a.control else ''}"
           + (f" --overrides '{a.overrides}'" if a.overrides else ""))
     print_tables(timed, counted, a)
     return 1 if any(row["unnamed"] for row in counted.values()) else 0

@@ -5,6 +5,7 @@ model, and blocktrain's step does no more than the plain PyTorch loop of launch/
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -88,7 +89,7 @@ def test_two_runs_take_turns_a_step_each(tmp_path) -> None:
     first step, then they alternate, step k of the first before step k of the second before
     step k+1 of the first; the waits are off each one's step clock."""
     a = argparse.Namespace(control=True, nproc=1, seq=32, micro_batch=2, steps=6, device="cpu",
-                           dropout=0.0, malloc="default")
+                           dropout=0.0, malloc="default", layers=4)
     got = reference.run_turns(("bt", "plain"), "llama", "none", a, str(tmp_path))
     first, second = (got[s]["ranks"][0] for s in ("bt", "plain"))
     ends = sorted([(t, "first") for t in first["step_ends_unix"]]
@@ -99,3 +100,17 @@ def test_two_runs_take_turns_a_step_each(tmp_path) -> None:
     assert first["step_ends"][-1] - first["step_ends"][0] < (
         first["step_ends_unix"][-1] - first["step_ends_unix"][0]) - 0.5 * first["waited_s"]
     assert got["bt"]["losses"] == got["plain"]["losses"]
+
+
+def test_both_programs_get_the_same_number_of_blocks() -> None:
+    """--layers reaches blocktrain's settings and the plain loop's flags, for both models."""
+    a = argparse.Namespace(control=False, nproc=2, seq=32, micro_batch=2, steps=6, device="cpu",
+                           dropout=0.0, malloc="default", layers=8, overrides="")
+    llama_bt = reference.command("bt", "llama", "full", a, "/w", True)
+    llama_plain = reference.command("plain", "llama", "full", a, "/w", True)
+    assert "model.n_layers=8" in llama_bt and "model.n_layers=4" not in llama_bt
+    assert llama_plain[llama_plain.index("--layers") + 1] == "8"
+    hf_bt = " ".join(reference.command("bt", "hf", "full", a, "/w", True))
+    hf_plain = reference.command("plain", "hf", "full", a, "/w", True)
+    assert "num_hidden_layers: 8" in hf_bt
+    assert json.loads(hf_plain[hf_plain.index("--hf-config") + 1])["num_hidden_layers"] == 8
