@@ -206,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="blocktrain against a plain PyTorch loop, in paired rounds, with "
                              "per-step counts (checkpointing/reference.py; it also takes "
                              "--models, --micro-batch, --seq, --dropout, --device, --malloc, "
-                             "--control)")
+                             "--control, --interleave, --layers, --overrides)")
     parser.add_argument("--budgets", default=None,
                         help="comma-separated checkpointing.budget fractions: budget (eager, "
                              "compiled) beside checkpointing=compiler at each")
