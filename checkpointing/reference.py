@@ -92,10 +92,10 @@ def shapes(model: str, layers: int) -> dict:
 
 def trainer_args(model: str, policy: str, a, run_dir: str) -> list[str]:
     shape = shapes(model, a.layers)
-    shapes_args = ([f"{k}={v}" for k, v in shape.items()] + ["model.tie_embeddings=false"]
-                   if model == "llama" else
-                   ["model=hf", "model.hf_config=" + json.dumps(shape).replace('"', "")])
-    return [f"checkpointing={policy}", *shapes_args, "data=synthetic", f"data.seq_len={a.seq}",
+    model_args = ([f"{k}={v}" for k, v in shape.items()] + ["model.tie_embeddings=false"]
+                  if model == "llama" else
+                  ["model=hf", "model.hf_config=" + json.dumps(shape).replace('"', "")])
+    return [f"checkpointing={policy}", *model_args, "data=synthetic", f"data.seq_len={a.seq}",
             f"train.micro_batch_size={a.micro_batch}", f"train.steps={a.steps}",
             f"train.device={a.device}", "logging.wandb=false", "logging.progress=false",
             f"model.dropout={a.dropout}" if model == "llama" else "model.dropout=0",
@@ -111,8 +111,7 @@ def reference_args(model: str, policy: str, a) -> list[str]:
              "model.n_kv_heads": "--kv-heads", "model.ffn_hidden": "--ffn",
              "model.vocab_size": "--vocab", "model.rope_theta": "--rope-theta"}
     return [*common, *[x for k, v in shapes(model, a.layers).items() for x in (flags[k], str(v))],
-            "--untied",
-            "--dropout", str(a.dropout)]
+            "--untied", "--dropout", str(a.dropout)]
 
 
 def is_ours(side: str, a) -> bool:

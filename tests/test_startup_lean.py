@@ -1,7 +1,8 @@
 """What a run does not pay for before it needs it: DCP's import comes with the first save (or a
-resume that loads), not with start-up (issue 28); numpy's masked arrays never come. The checkpointer's gloo group does come with
-start-up, once: making a group needs the rendezvous store, which dies with the torchrun agent, and
-a stop must still save after that (tests/test_stopping.py)."""
+resume that loads), not with start-up (issue 28); numpy's masked arrays never come. The
+checkpointer's gloo group does come with start-up, once: making a group needs the rendezvous
+store, which dies with the torchrun agent, and a stop must still save after that
+(tests/test_stopping.py)."""
 
 from __future__ import annotations
 
