@@ -20,7 +20,8 @@ from pathlib import Path
 from tests.helpers import QUICK, read_metrics, run_trainer
 
 POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget")
-COMMON = [*QUICK, "train.steps=6", "model.dropout=0.1", "save.every=0", "train.eval_every=3"]
+COMMON = [*QUICK, "train.steps=6", "save.every=0", "train.eval_every=3"]
+DROPOUT = "model.dropout=0.1"  # an HF model takes its dropout from its own config (HF_LLAMA)
 HF_LLAMA = ("model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 64, "
             "intermediate_size: 128, num_hidden_layers: 4, num_attention_heads: 4, "
             "num_key_value_heads: 2, max_position_embeddings: 128, attention_dropout: 0.1}")
@@ -35,12 +36,12 @@ def runs(workdir: Path) -> dict[str, list[str]]:
             for head in ("plain", "chunked"):
                 out[f"{policy}-{offload}-{head}"] = [
                     f"checkpointing={policy}", f"offload={offload}",
-                    f"checkpointing.head={head}", "checkpointing.profile_repeats=1"]
+                    f"checkpointing.head={head}", "checkpointing.profile_repeats=1", DROPOUT]
     out["chat"] = ["data=chat", f"data.path={workdir / 'chats.jsonl'}",
                    f"data.tokenizer={workdir / 'tok'}", "model.vocab_size=300",
-                   f"data.cache_dir={workdir / 'cache'}", "checkpointing=full"]
+                   f"data.cache_dir={workdir / 'cache'}", "checkpointing=full", DROPOUT]
     out["hf-llama-selective"] = ["model=hf", HF_LLAMA, "checkpointing=selective"]
-    out["vit-full"] = [*VIT, "checkpointing=full"]
+    out["vit-full"] = [*VIT, "checkpointing=full", DROPOUT]
     return out
 
 
