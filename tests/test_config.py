@@ -275,28 +275,36 @@ def test_help_still_reaches_hydra(tmp_path) -> None:
     assert "micro_batch_size: 16" in result.stdout
 
 
-def test_a_single_run_hands_hydra_the_mode_instead_of_a_third_composition(monkeypatch) -> None:
-    """trainer/__main__.py: Hydra composes the config once more only to read `hydra.mode`; for a
-    single run the pre-flight check's composition answers (no composition at that call), and
-    what it answers is what the overrides say. A sweep keeps Hydra's own."""
-    import trainer.__main__ as entry
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra._internal.hydra import Hydra
-    from hydra.types import RunMode
-
-    original = Hydra.get_mode
-    monkeypatch.setattr(Hydra, "get_mode", original)  # put back after the test
-    loads, load = [], ConfigLoaderImpl.load_configuration
-
-    def counted(self, *args, **kwargs):
-        loads.append(kwargs.get("overrides"))
-        return load(self, *args, **kwargs)
-    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted)
-
-    entry._hand_hydra_the_mode(["-m", "train.steps=1,2"])
-    assert Hydra.get_mode is original
-    for argv, mode in ((["train.steps=3"], None), (["hydra.mode=MULTIRUN"], RunMode.MULTIRUN)):
-        entry._hand_hydra_the_mode(argv)
-        before = len(loads)
-        assert Hydra.get_mode(None, config_name="config", overrides=argv) == mode
-        assert len(loads) == before and Hydra.get_mode is not original
+def test_a_single_run_composes_the_config_once(tmp_path) -> None:
+    """trainer/__main__.py: a single run starts from the pre-flight check's composition (no
+    private Hydra API, no second composition), with Hydra's run directory, config dump and
+    train.log as before. Counted in a real `python -m trainer` process by wrapping Hydra's config
+    loader, through which every composition goes (a test may patch a private API; the code does
+    not)."""
+    counter = tmp_path / "count.py"
+    counter.write_text(
+        "import atexit, runpy, sys\n"
+        "from hydra._internal.config_loader_impl import ConfigLoaderImpl as L\n"
+        "path = sys.argv.pop(1)\n"
+        "calls = []\n"
+        "load = L.load_configuration\n"
+        "def counted(self, *a, **k):\n"
+        "    calls.append(1)\n"
+        "    return load(self, *a, **k)\n"
+        "L.load_configuration = counted\n"
+        "atexit.register(lambda: open(path, 'w').write(str(len(calls))))\n"
+        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n")
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, str(counter), str(tmp_path / "n"), "train.steps=1", "data=synthetic",
+         "logging.wandb=false", "logging.progress=false", f"train.out_dir={out}",
+         "train.run_name=once", "data.seq_len=32", "train.micro_batch_size=2",
+         "save.every=0", "save.at_end=false"],
+        cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "n").read_text() == "1"
+    run_dir = out / "once"
+    assert "- train.run_name=once" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "run_name: once" in (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "output_dir: " + str(run_dir) in (run_dir / ".hydra" / "hydra.yaml").read_text()
+    assert "[trainer][INFO] - per-block plan:" in (run_dir / "train.log").read_text()

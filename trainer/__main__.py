@@ -1,8 +1,9 @@
 """`python -m trainer [group=option ...] [key=value ...]`: the same entry under torchrun.
 
 The command line is composed and validated first (trainer/cli.py): a mistake is one line from
-rank 0 and exit status 2, before torch is imported. Only then does Hydra run the job, which gives
-run directories, config dumps and `-m` sweeps.
+rank 0 and exit status 2, before torch is imported. A single run then starts from that same
+composition (`cli.single_run`: run directory, config dump, train.log, as Hydra sets them up);
+`-m` sweeps and Hydra's own flags go through `@hydra.main`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,17 @@ from trainer.state.rundir import register_resolver
 
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
-def _run(cfg: DictConfig) -> None:
+def _hydra_run(cfg: DictConfig) -> None:
+    """Hydra's own run: `-m` sweeps (each job composed by Hydra) and Hydra's flags."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
+    hydra_cfg = HydraConfig.get()
+    _job(cfg, hydra_cfg.runtime.output_dir, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+def _job(cfg: DictConfig, run_dir: str, multirun: bool) -> None:
+    """One training job in `run_dir`; exits with its status where that is not 0."""
     try:
         config = cli.to_config(cfg)
         _, world, nodes = cli.world_from_env(os.environ)
@@ -39,12 +48,8 @@ def _run(cfg: DictConfig) -> None:
     from trainer.state.save_errors import SAVE_FAILED_EXIT, SaveFailed
     from trainer.state.checkpoint import CheckpointError
 
-    from hydra.types import RunMode
-
-    hydra_cfg = HydraConfig.get()
     try:
-        status = train(config, layout, run_dir=hydra_cfg.runtime.output_dir,
-                       keep_process_group=hydra_cfg.mode == RunMode.MULTIRUN)
+        status = train(config, layout, run_dir=run_dir, keep_process_group=multirun)
     except (BudgetError, ConfigError, CheckpointError, RunDirBusy, ValueError) as exc:
         # Configuration mistakes known only once the run is under way: status 2. BudgetError:
         # after profiling on the device; ConfigError: once the model is built (model.freeze);
@@ -124,17 +129,6 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
-def _hand_hydra_the_mode(argv: list[str]) -> None:
-    """Hydra composes the whole config once more only to read `hydra.mode` (Hydra.get_mode:
-    0.3-0.4 s of every start and requeue, 2026-12-02). The pre-flight check has composed the same
-    overrides, so a single run gives Hydra that answer; sweeps and Hydra's flags keep its own."""
-    known, mode = cli.known_run_mode(argv)
-    if known:
-        from hydra._internal.hydra import Hydra
-
-        Hydra.get_mode = lambda self, *args, **kwargs: mode
-
-
 def main() -> None:
     argv = sys.argv[1:]
     if cli.preflight(argv):
@@ -142,10 +136,13 @@ def main() -> None:
     register_schema()
     register_resolver()
     _claim_run_dir(argv)
-    _hand_hydra_the_mode(argv)
-    sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)
     try:
-        _run()
+        single = cli.single_run(argv)  # one composition: the pre-flight check's
+        if single is not None:
+            _job(*single, multirun=False)
+        else:
+            sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)
+            _hydra_run()
     except KeyboardInterrupt:  # Ctrl-C twice, or before training started
         if _debug():
             raise
