@@ -300,6 +300,9 @@ def single_run(argv: Sequence[str], env: Mapping[str, str] = os.environ):
                 config, "hydra")), ("overrides.yaml", config.hydra.overrides.task)):
             with open(os.path.join(dump, name), "w", encoding="utf-8") as f:
                 f.write(OmegaConf.to_yaml(node))
+    os.environ.update({str(k): str(v) for k, v in config.hydra.job.env_set.items()})
+    if config.hydra.job.chdir:  # as Hydra's run does when asked (conf/config.yaml: false)
+        os.chdir(run_dir)
     return job, run_dir
 
 
