@@ -1,0 +1,232 @@
+"""Ulysses sequence parallelism: N ranks share each sample, each holding 1/N of its tokens.
+
+Everything outside attention is token-wise (norms, projections, MLP, residual), so a rank runs
+it on its own contiguous chunk of the sequence. Attention needs every token: around it an
+all-to-all trades the sequence split for a head split ([B, T/N, H] -> [B, T, H/N]), attention runs
+on whole sequences for 1/N of the heads, and a second all-to-all trades back. Every rank computes
+all positions of its heads, so causal attention is balanced across the group without reordering
+tokens (ring attention needs that; Ulysses does not).
+
+What lives here, all taking tensors and a process group (no config):
+  kv_repeats / check_degree     pure checks a config validator can run before any process group
+  all_to_all                    differentiable re-split of one tensor (backward: the inverse one)
+  sequence_to_heads / heads_to_sequence   the two directions, named
+  ulysses_attention             wraps any attention function with SDPA's calling shape
+  gather_sequence               whole-sequence metadata (positions, document ids) for the mask
+  sequence_slice                this rank's chunk of a whole-sequence tensor
+  build_sequence_mesh           the device mesh with a "sequence" axis beside data parallelism
+
+The collectives are torch's functional ones: differentiable, traceable by torch.compile, and
+served by both gloo (CPU) and NCCL.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from sharding.fsdp import build_mesh
+
+# Axis positions of (sequence, heads) in the two layouts attention code uses.
+LAYOUTS = {"bhsd": (2, 1),   # scaled_dot_product_attention: [batch, heads, seq, head_dim]
+           "bshd": (1, 2)}   # projections and HF attention outputs: [batch, seq, heads, head_dim]
+
+
+# --- pure checks (no process group needed) ------------------------------------------------
+
+def kv_repeats(q_heads: int, kv_heads: int, degree: int) -> int:
+    """How many times each key/value head is repeated so `degree` ranks can split the heads.
+
+    Supported: `degree` divides the query heads, and the query heads are a multiple of the KV
+    heads (any grouped-query or multi-query model). Then:
+      * degree divides kv_heads: 1, no repeat (each rank takes kv_heads/degree KV heads);
+      * otherwise: degree / gcd(degree, kv_heads), the least repeat making the KV heads a
+        multiple of degree; it always divides the group size q_heads/kv_heads, so query head h
+        still meets (a copy of) its own KV head h // (q_heads/kv_heads) after the split.
+    Refused (ValueError): degree not dividing the query heads.
+    """
+    if degree < 1:
+        raise ValueError(f"sequence degree must be >= 1, got {degree}")
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"query heads {q_heads} must be a multiple of the KV heads {kv_heads}")
+    if q_heads % degree:
+        raise ValueError(f"sequence degree {degree} must divide the attention heads {q_heads}: "
+                         f"each rank attends with heads/degree of them")
+    return degree // math.gcd(degree, kv_heads)
+
+
+def check_degree(seq_len: int, degree: int) -> None:
+    """The sequence splits into `degree` equal contiguous chunks, or ValueError."""
+    if degree < 1 or seq_len % degree:
+        raise ValueError(f"sequence degree {degree} must divide the sequence length {seq_len}")
+
+
+# --- the all-to-all -----------------------------------------------------------------------
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int,
+               gather_dim: int) -> torch.Tensor:
+    """Split `scatter_dim` into N equal chunks, send chunk j to rank j of `group`, and join the
+    chunks received along `gather_dim` in rank order.
+
+    With scatter=heads, gather=sequence, rank r goes from [B, T/N (chunk r), H] to
+    [B, T, H/N (chunk r)]; swapping the two dims goes back. Differentiable: the gradient of this
+    is the all-to-all with the two dims swapped, the exact inverse.
+    """
+    n = dist.get_world_size(group)
+    scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()
+    if scatter_dim == gather_dim:
+        raise ValueError("all_to_all needs two different dims")
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"dim {scatter_dim} of size {x.shape[scatter_dim]} does not split "
+                         f"into {n} equal chunks")
+    if n == 1:
+        return x
+    # The chunk for rank j first, so all_to_all_single's equal split of dim 0 sends it there.
+    send = x.unflatten(scatter_dim, (n, -1)).movedim(scatter_dim, 0).contiguous()
+    received = funcol.all_to_all_single(send, None, None, group)
+    # received[i] is sender i's chunk: sender i held chunk i of the gathered dim.
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int = 1,
+                      heads_dim: int = 2) -> torch.Tensor:
+    """[B, T/N, H, D] (this rank's tokens, all heads) -> [B, T, H/N, D] (all tokens, its heads)."""
+    return all_to_all(x, group, scatter_dim=heads_dim, gather_dim=seq_dim)
+
+
+def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int = 1,
+                      heads_dim: int = 2) -> torch.Tensor:
+    """[B, T, H/N, D] -> [B, T/N, H, D]: the inverse of sequence_to_heads."""
+    return all_to_all(x, group, scatter_dim=seq_dim, gather_dim=heads_dim)
+
+
+# --- attention ----------------------------------------------------------------------------
+
+def ulysses_attention(attention_fn: Callable[..., torch.Tensor], q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *args,
+                      layout: str = "bhsd", out_layout: Optional[str] = None,
+                      **kwargs) -> torch.Tensor:
+    """`attention_fn(q, k, v, *args, **kwargs)` over whole sequences, from sequence shards.
+
+    q, k, v hold this rank's contiguous chunk of the sequence and all heads, in `layout`
+    ("bhsd" as scaled_dot_product_attention takes them, or "bshd"); the result is this rank's
+    chunk of the attention output in `out_layout` (default: `layout`; HF attention functions
+    return "bshd" from "bhsd" inputs). `attention_fn` sees whole sequences and heads/N query
+    heads, so is_causal, a document mask for the whole sequence (see gather_sequence) and
+    enable_gqa pass through `kwargs` unchanged. A mask must broadcast over heads (size 1 there):
+    the rank's heads are a slice this function does not apply to masks.
+
+    KV heads are repeated where kv_repeats says; its docstring lists what is supported.
+    """
+    n = dist.get_world_size(group)
+    seq_dim, heads_dim = _axes(layout)
+    if n > 1:
+        repeats = kv_repeats(q.shape[heads_dim], k.shape[heads_dim], n)
+        if repeats > 1:
+            k, v = (t.repeat_interleave(repeats, dim=heads_dim) for t in (k, v))
+        q, k, v = _qkv_to_heads(q, k, v, group, seq_dim, heads_dim)
+    out = attention_fn(q, k, v, *args, **kwargs)
+    out_seq, out_heads = _axes(out_layout or layout)
+    return heads_to_sequence(out, group, seq_dim=out_seq, heads_dim=out_heads)
+
+
+def _axes(layout: str) -> tuple[int, int]:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: use one of {sorted(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+def _qkv_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                  seq_dim: int, heads_dim: int) -> tuple[torch.Tensor, ...]:
+    """One all-to-all for q, k and v where they can travel together (same dtype and head size),
+    three otherwise: a collective's latency is paid once, not three times."""
+    tensors = (q, k, v)
+    if len({(t.dtype, t.shape[-1]) for t in tensors}) > 1:
+        return tuple(sequence_to_heads(t, group, seq_dim, heads_dim) for t in tensors)
+    n = dist.get_world_size(group)
+    # Rank j's share of the heads must be [q chunk j, k chunk j, v chunk j], adjacent.
+    packed = torch.cat([t.unflatten(heads_dim, (n, -1)) for t in tensors], dim=heads_dim + 1)
+    local = sequence_to_heads(packed.flatten(heads_dim, heads_dim + 1), group, seq_dim, heads_dim)
+    sizes = [t.shape[heads_dim] // n for t in tensors]
+    return tuple(local.split(sizes, dim=heads_dim))
+
+
+# --- whole-sequence metadata and this rank's slice ----------------------------------------
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """The whole sequence of a sequence-sharded tensor, on every rank of `group` (chunks in rank
+    order along `dim`). For metadata such as positions or document ids, from which each rank
+    builds the whole-sequence document mask; no gradient flows through it."""
+    if x.requires_grad:
+        raise ValueError("gather_sequence is for metadata (positions, document ids); it does "
+                         "not carry gradients")
+    if dist.get_world_size(group) == 1:
+        return x
+    dim = dim % x.dim()
+    # The functional all-gather joins along dim 0 only.
+    gathered = funcol.all_gather_single(x.movedim(dim, 0).contiguous(), 0, group)
+    return funcol.wait_tensor(gathered).movedim(0, dim)
+
+
+def sequence_slice(x: torch.Tensor, rank: int, degree: int, dim: int = 1) -> torch.Tensor:
+    """Contiguous chunk `rank` of `degree` equal chunks of `dim` (a view): the tokens, targets or
+    positions a rank of a sequence group holds. rank: the rank within the sequence group."""
+    check_degree(x.shape[dim], degree)
+    if not 0 <= rank < degree:
+        raise ValueError(f"rank {rank} is not in a sequence group of {degree}")
+    chunk = x.shape[dim] // degree
+    return x.narrow(dim, rank * chunk, chunk)
+
+
+# --- the device mesh ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SequenceMesh:
+    """Where a rank stands when N ranks share each sample.
+
+    Ranks r*N .. r*N+N-1 form one sequence group and read sample share r (data_rank); FSDP shards
+    parameters over every rank of a replica, sequence ranks included, so `fsdp` is today's mesh:
+    1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp.
+    """
+
+    mesh: DeviceMesh            # ("data", "sequence") or ("replicate", "data", "sequence")
+    fsdp: DeviceMesh            # what fully_shard gets
+    group: dist.ProcessGroup    # this rank's sequence group
+    degree: int                 # N
+    rank: int                   # this rank's place in its sequence group (its chunk)
+    data_rank: int              # which share of each global batch the group reads
+    data_size: int              # how many shares: world_size / N
+
+
+def build_sequence_mesh(mode: str, device_type: str, world_size: int, replicate: int,
+                        degree: int) -> SequenceMesh:
+    """The fsdp/hsdp mesh of sharding.fsdp.build_mesh, its "shard" axis split into
+    ("data", "sequence") with the sequence ranks adjacent (they talk every block: keep them on
+    one node). Needs a process group; check the sizes first with check_mesh_sizes."""
+    check_mesh_sizes(mode, world_size, replicate, degree)
+    fsdp = build_mesh(mode, device_type, world_size, replicate)
+    shard = world_size // (replicate if mode == "hsdp" else 1)
+    mesh = fsdp._unflatten("shard", (shard // degree, degree), ("data", "sequence"))
+    group = mesh.get_group("sequence")
+    rank = dist.get_rank()
+    return SequenceMesh(mesh=mesh, fsdp=fsdp, group=group, degree=degree,
+                        rank=dist.get_rank(group), data_rank=rank // degree,
+                        data_size=world_size // degree)
+
+
+def check_mesh_sizes(mode: str, world_size: int, replicate: int, degree: int) -> None:
+    """ValueError unless a sequence group of `degree` fits the sharding mode and world."""
+    if mode not in ("fsdp", "hsdp"):
+        raise ValueError(f"sequence parallelism needs sharding fsdp or hsdp, not {mode!r}")
+    shard = world_size // replicate if mode == "hsdp" else world_size
+    if mode == "hsdp" and world_size % replicate:
+        raise ValueError(f"replicas {replicate} must divide the world size {world_size}")
+    if degree < 1 or shard % degree:
+        where = "ranks per replica" if mode == "hsdp" else "world size"
+        raise ValueError(f"sequence degree {degree} must divide the {where} {shard}")
