@@ -171,3 +171,20 @@ def test_sequence_slice_and_sizes() -> None:
                           (("hsdp", 8, 2, 8), "must divide the ranks per replica 4")]:
         with pytest.raises(ValueError, match=message):
             check_mesh_sizes(*args)
+
+
+def _hsdp_mesh(rank: int, world: int) -> dict:
+    seq = build_sequence_mesh("hsdp", "cpu", world, 2, 2)
+    total = torch.tensor([rank])
+    dist.all_reduce(total, group=seq.group)  # the group works: the sum of its two ranks
+    return {"group": dist.get_process_group_ranks(seq.group), "sum": total.item(),
+            "data": (seq.data_rank, seq.data_size), "fsdp": seq.fsdp.mesh.tolist(),
+            "fsdp_dims": seq.fsdp.mesh_dim_names, "dims": seq.mesh.mesh_dim_names}
+
+
+def test_hsdp_mesh_on_four_ranks() -> None:
+    for rank, result in enumerate(spawn(_hsdp_mesh, 4)):
+        pair = [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert result == {"group": pair, "sum": sum(pair), "data": (rank // 2, 2),
+                          "fsdp": [[0, 1], [2, 3]], "fsdp_dims": ("replicate", "shard"),
+                          "dims": ("replicate", "data", "sequence")}
