@@ -30,6 +30,10 @@ from checkpointing.tile_memory import tile_sizes
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+# Under torch.compile the tiles run eagerly, forward and recompute alike: a compiled forward
+# draws its dropout masks from inductor's generator, the recompute in backward from eager's, and
+# the two would differ (wrong gradients without an error).
+@torch.compiler.disable
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, num_tiles: int,
           params: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """fn(x) computed over `num_tiles` slices of `dim` (uneven sizes allowed: see tile_sizes).
@@ -54,6 +58,9 @@ class _Tiled(torch.autograd.Function):
         for size in sizes:
             states.append(_rng_state(x.device))
             piece = fn(x.narrow(dim, offset, size))
+            if len(sizes) == 1:
+                out = piece
+                break
             if out is None:
                 shape = list(piece.shape)
                 shape[dim] = x.shape[dim]

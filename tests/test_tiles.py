@@ -10,7 +10,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -209,3 +208,72 @@ def test_parameters_the_recompute_does_not_use_are_an_error() -> None:
     out = tiled(mlp, x.requires_grad_(), 2, [stranger])  # as if FSDP had swapped them
     with pytest.raises(RuntimeError, match="used none of the parameters"):
         out.sum().backward()
+
+
+# --- sharded parameters: FSDP2 (and DDP) on 2 gloo ranks ----------------------------------
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _sharded_step(rank: int, variant: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from checkpointing.wrap import checkpoint_block
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    for block in model:
+        if "tiled" in variant:
+            tile_module(block.mlp, 3)
+        if "recompute" in variant:
+            checkpoint_block(block, "full")
+        if "ddp" not in variant:
+            fully_shard(block, reshard_after_forward=True)  # freed after forward, refilled
+    model = DistributedDataParallel(model) if "ddp" in variant else fully_shard(model)
+    x, upstream = _inputs(2, 10, seed=rank)  # each rank its own data: the reduction matters
+    model(x.requires_grad_()).backward(upstream)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return {name: getattr(g, "full_tensor", lambda g=g: g)() for name, g in grads.items()}
+
+
+def _sharded_variants(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    return {v: _sharded_step(rank, v) for v in ("fsdp", "fsdp tiled", "fsdp tiled recompute",
+                                                 "ddp", "ddp tiled")}
+
+
+def test_fsdp2_and_ddp_parameters_get_the_untiled_gradients() -> None:
+    for result in spawn(_sharded_variants, 2):
+        for variant, grads in result.items():
+            plain = result[variant.split()[0]]
+            assert grads.keys() == plain.keys() and len(grads) == 10
+            for name, grad in grads.items():
+                assert _relative(grad, plain[name]) <= 1e-6, (variant, name)
+        ddp = {name.removeprefix("module."): grad for name, grad in result["ddp"].items()}
+        assert all(_relative(result["fsdp"][name], grad) <= 1e-6 for name, grad in ddp.items())
+
+
+def test_under_torch_compile_the_tiles_draw_eager_masks_forward_and_backward() -> None:
+    """A compiled forward draws dropout masks from inductor's generator, an eager recompute
+    from eager's: tiles run eagerly in both, so the compiled block's gradients are the eager
+    ones (0.1 to 1 apart otherwise)."""
+    torch.manual_seed(0)
+    blocks = [Block(), Block()]
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    for block in blocks:
+        block.mlp.dropout.p = 0.5
+        tile_module(block.mlp, 3)
+    x, upstream = _inputs(2, 12)
+    results = []
+    for run in (torch.compile(blocks[0]), blocks[1]):
+        torch.manual_seed(5)
+        results.append(_grads(run, x, upstream, lambda m, t: m(t)))
+    for a, b in zip(*results, strict=True):
+        assert _relative(a, b) <= 1e-5
