@@ -87,10 +87,17 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int,
                          f"into {n} equal chunks")
     if n == 1:
         return x
-    # The chunk for rank j first, so all_to_all_single's equal split of dim 0 sends it there.
-    send = x.unflatten(scatter_dim, (n, -1)).movedim(scatter_dim, 0).contiguous()
+    return _exchange(_rank_major(x, n, scatter_dim).contiguous(), group, gather_dim)
+
+
+def _rank_major(x: torch.Tensor, n: int, scatter_dim: int) -> torch.Tensor:
+    """A view with the chunk for rank j at [j]: all_to_all_single splits dim 0 equally."""
+    return x.unflatten(scatter_dim, (n, -1)).movedim(scatter_dim, 0)
+
+
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup, gather_dim: int) -> torch.Tensor:
     received = funcol.all_to_all_single(send, None, None, group)
-    # received[i] is sender i's chunk: sender i held chunk i of the gathered dim.
+    # received[i] came from rank i, which held chunk i of the gathered dim.
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
@@ -150,11 +157,10 @@ def _qkv_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
     if len({(t.dtype, t.shape[-1]) for t in tensors}) > 1:
         return tuple(sequence_to_heads(t, group, seq_dim, heads_dim) for t in tensors)
     n = dist.get_world_size(group)
-    # Rank j's share of the heads must be [q chunk j, k chunk j, v chunk j], adjacent.
-    packed = torch.cat([t.unflatten(heads_dim, (n, -1)) for t in tensors], dim=heads_dim + 1)
-    local = sequence_to_heads(packed.flatten(heads_dim, heads_dim + 1), group, seq_dim, heads_dim)
-    sizes = [t.shape[heads_dim] // n for t in tensors]
-    return tuple(local.split(sizes, dim=heads_dim))
+    # Rank j receives [q chunk j, k chunk j, v chunk j]: one cat makes the send buffer.
+    send = torch.cat([_rank_major(t, n, heads_dim) for t in tensors], dim=heads_dim + 1)
+    local = _exchange(send, group, seq_dim)
+    return tuple(local.split([t.shape[heads_dim] // n for t in tensors], dim=heads_dim))
 
 
 # --- whole-sequence metadata and this rank's slice ----------------------------------------

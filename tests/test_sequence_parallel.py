@@ -19,10 +19,13 @@ from tests.dist import spawn
 from trainer.models.packing import document_mask
 
 BATCH, SEQ, HEAD_DIM = 2, 16, 8
-# name: (query heads, kv heads, layout of the attention function's output, document mask)
-CASES = {"mha": (4, 4, "bhsd", False), "gqa_kv2": (4, 2, "bhsd", False),
-         "mqa_kv1_repeated": (4, 1, "bhsd", False), "document_mask": (4, 2, "bhsd", True),
-         "out_layout_bshd": (4, 2, "bshd", False)}
+# name: (query heads, kv heads, layout of the attention function's output, document mask,
+#        value head size: another than HEAD_DIM sends v apart from q and k)
+CASES = {"mha": (4, 4, "bhsd", False, HEAD_DIM), "gqa_kv2": (4, 2, "bhsd", False, HEAD_DIM),
+         "mqa_kv1_repeated": (4, 1, "bhsd", False, HEAD_DIM),
+         "document_mask": (4, 2, "bhsd", True, HEAD_DIM),
+         "out_layout_bshd": (4, 2, "bshd", False, HEAD_DIM),
+         "value_head_size_differs": (4, 2, "bhsd", False, 4)}
 # Documents of 5, 7 and 4 tokens: the second crosses the boundary between the two ranks' chunks.
 POSITIONS = torch.tensor([list(range(5)) + list(range(7)) + list(range(4))] * BATCH)
 
@@ -35,11 +38,11 @@ def _attention(out_layout: str):
 
 
 def _case(rank: int, world: int, q_heads: int, kv_heads: int, out_layout: str,
-          masked: bool) -> dict:
+          masked: bool, v_dim: int) -> dict:
     generator = torch.Generator().manual_seed(q_heads * 10 + kv_heads)
-    q, k, v = (torch.randn(BATCH, h, SEQ, HEAD_DIM, generator=generator)
-               for h in (q_heads, kv_heads, kv_heads))
-    grad_out = torch.randn(BATCH, q_heads, SEQ, HEAD_DIM, generator=generator)
+    q, k, v = (torch.randn(BATCH, h, SEQ, size, generator=generator)
+               for h, size in ((q_heads, HEAD_DIM), (kv_heads, HEAD_DIM), (kv_heads, v_dim)))
+    grad_out = torch.randn(BATCH, q_heads, SEQ, v_dim, generator=generator)
     mask = document_mask(POSITIONS, "sdpa") if masked else None
     kwargs = {"attn_mask": mask} if masked else {"is_causal": True}
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
