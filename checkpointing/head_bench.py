@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpointing.head import chunked_linear_cross_entropy, default_chunk_tokens
-from checkpointing.metatrace import LiveBytes
+from checkpointing.planner.metatrace import LiveBytes
 
 
 def plain_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

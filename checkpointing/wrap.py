@@ -21,7 +21,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpointing.plan import DEFAULT_SAVE_OPS, BlockPlan  # noqa: F401 (re-exported)
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 
 
 def resolve_ops(names: Sequence[str]) -> list:

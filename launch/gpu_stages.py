@@ -146,15 +146,15 @@ def _max_rel(values: Sequence[float], reference: Sequence[float]) -> float:
 
 
 def _evaluator(device: str):
-    from trainer.fit.report import DEFAULT_TFLOPS
-    from trainer.fit.scenario import Evaluator
+    from trainer.preflight.tables import DEFAULT_TFLOPS
+    from trainer.preflight.scenario import Evaluator
 
     # As the report: on a GPU AdamW takes its foreach path (one group-sized temporary).
     return Evaluator(DEFAULT_TFLOPS, optimizer_foreach=device != "cpu")
 
 
 def _scenario(overrides: Sequence[str]):
-    from trainer.fit.scenario import Scenario
+    from trainer.preflight.scenario import Scenario
     from trainer.cli import check
 
     cfg, layout = check(list(overrides), {"WORLD_SIZE": "1"}, local_gpus=False)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from checkpointing.plan import BlockPlan
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from offload.disk import DiskStore, cleanup_stale
 from offload.engine import Offloader
 from offload.host import NOTHING_TO_MOVE, CpuStore

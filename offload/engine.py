@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from checkpointing.saved import is_parameter_like
+from checkpointing.meter import is_parameter_like
 
 
 class OffloadError(RuntimeError):

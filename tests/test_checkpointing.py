@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.plan import recompute_pattern
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from trainer.distenv import init_distributed, read_env, shutdown
 from tests.checkpoint_harness import POLICIES, SMALL, batch
 from tests.dist import spawn
@@ -200,8 +200,8 @@ class _Uneven(torch.nn.Module):
 
 def test_budget_plan_for_heterogeneous_blocks_is_exact_and_bitwise() -> None:
     from checkpointing.blocks import find_blocks
-    from checkpointing.policies import choose_plan, predicted_saved_bytes, resolve_budget
-    from checkpointing.profile import profile_blocks, trace_on_meta
+    from checkpointing.planner.policies import choose_plan, predicted_saved_bytes, resolve_budget
+    from checkpointing.planner.profile import profile_blocks, trace_on_meta
     from checkpointing.wrap import apply_checkpointing, resolve_ops
     from trainer.build import materialize
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from tests.dist import spawn
 from tests.helpers import QUICK, check_ok, config, losses, run_trainer
 from trainer.build import build_model
 from trainer.config import ConfigError
 from trainer.distenv import read_env
-from trainer.fit.precheck import deep_check
+from trainer.preflight.precheck import deep_check
 from trainer.task import head_chunk, task_for
 
 BIG_VOCAB = ["model.vocab_size=2048", "data=synthetic", "model.dropout=0.0"]
@@ -92,7 +92,7 @@ def test_the_chunked_head_runs_compiled(extra, tmp_path) -> None:
 
 
 def test_the_report_sees_the_head_go(tmp_path) -> None:
-    from trainer.fit.scenario import Evaluator, Scenario
+    from trainer.preflight.scenario import Evaluator, Scenario
     from trainer.cli import check
 
     peaks = {}

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpointing.compiled import graphs_compiled
 from checkpointing.plan import block_rows
-from checkpointing.saved import SavedBytesMeter, is_parameter_like
+from checkpointing.meter import SavedBytesMeter, is_parameter_like
 from tests.checkpoint_harness import SMALL, train_steps
 from tests.dist import spawn
 from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
@@ -183,8 +183,8 @@ def test_compiler_policy_needs_compile(tmp_path) -> None:
 
 
 def test_compiler_budget_is_the_same_share_of_no_checkpoint_bytes() -> None:
-    from checkpointing.policies import Budget, BudgetError, choose_plan, compiler_budgets
-    from checkpointing.profile import BlockProfile
+    from checkpointing.planner.policies import Budget, BudgetError, choose_plan, compiler_budgets
+    from checkpointing.planner.profile import BlockProfile
 
     def profile(none: int, full: int) -> BlockProfile:
         return BlockProfile(saved_bytes={"none": none, "selective": none // 2, "full": full},
@@ -206,8 +206,8 @@ def test_compiler_budget_is_the_same_share_of_no_checkpoint_bytes() -> None:
 def test_budget_planner_can_choose_the_compilers_placement() -> None:
     from dataclasses import replace
 
-    from checkpointing.policies import Budget, choose_plan
-    from checkpointing.profile import BlockProfile
+    from checkpointing.planner.policies import Budget, choose_plan
+    from checkpointing.planner.profile import BlockProfile
 
     plain = BlockProfile(saved_bytes={"none": 100, "selective": 60, "full": 10},
                          cost_s={"none": 0.0, "selective": 0.3, "full": 0.5},
@@ -245,8 +245,8 @@ def test_a_plan_with_compiler_blocks_is_predicted_as_keeping_everything(tmp_path
     """The report (and the dashboard's prediction) bound a compiler-placed block by `none`."""
     from checkpointing.plan import BlockPlan
     from trainer.cli import check
-    from trainer.fit.plot import plot_plan
-    from trainer.fit.scenario import Evaluator, Scenario
+    from trainer.preflight.plot import plot_plan
+    from trainer.preflight.scenario import Evaluator, Scenario
 
     cfg, layout = check(["data.seq_len=64", "train.micro_batch_size=4", "train.device=cpu"],
                         {"WORLD_SIZE": "1"})

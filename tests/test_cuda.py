@@ -47,7 +47,7 @@ def test_building_leaves_no_peak_behind(monkeypatch) -> None:
     starts again from what the run holds, and its cache is handed back (issue 29, item 1)."""
     import torch
 
-    from checkpointing.saved import SavedBytesMeter
+    from checkpointing.meter import SavedBytesMeter
     from tests.helpers import config
     from trainer.build import build_model
     from trainer.distenv import read_env

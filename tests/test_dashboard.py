@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import (QUICK, check_ok, read_metrics, read_wandb_records, run_trainer,
                            subprocess_env)
-from trainer.fit.timeline import gib
+from trainer.preflight.timeline import gib
 from trainer.observe.watch import KINDS, Alerts, ThroughputWatch, memory_text
 
 # Throughput alerts only for a drop far beyond a shared test machine's noise (the injected

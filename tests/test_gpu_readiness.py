@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from tests.helpers import config
 from trainer import build
 from trainer.distenv import read_env

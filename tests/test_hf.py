@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from checkpointing.saved import SavedBytesMeter  # noqa: E402
+from checkpointing.meter import SavedBytesMeter  # noqa: E402
 from trainer.distenv import init_distributed, read_env, shutdown  # noqa: E402
 from tests.checkpoint_harness import assert_policies_bitwise, batch, train_steps  # noqa: E402
 from tests.dist import spawn  # noqa: E402

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from trainer.distenv import init_distributed, read_env, shutdown
 from tests.checkpoint_harness import POLICIES, SMALL, train_steps
 from tests.dist import spawn

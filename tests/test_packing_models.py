@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from tests.checkpoint_harness import train_steps
 from tests.helpers import config, preset
 from trainer.build import build_model, build_on_meta, init_params, materialize

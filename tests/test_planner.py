@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from checkpointing.planner import (BlockOptions, InfeasibleBudget, Option, PlanTooLarge,
+from checkpointing.planner.search import (BlockOptions, InfeasibleBudget, Option, PlanTooLarge,
                                    activation_peak, brute_force, min_feasible_budget, plan_budget,
                                    plan_cost)
 

@@ -11,9 +11,9 @@ import pytest
 from matplotlib.transforms import Bbox
 
 from trainer.cli import check
-from trainer.fit.plot import draw_plan
-from trainer.fit.scenario import Evaluator, Scenario
-from trainer.fit.timeline import picture_line, timeline
+from trainer.preflight.plot import draw_plan
+from trainer.preflight.scenario import Evaluator, Scenario
+from trainer.preflight.timeline import picture_line, timeline
 
 GIB = 2 ** 30
 TINY = ["model.dropout=0", "checkpointing.profile_repeats=1", "data.seq_len=128",

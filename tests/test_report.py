@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpointing.memory import estimate, sharded_numel
-from checkpointing.metatrace import FusedAttentionOnMeta, profile_on_meta
-from checkpointing.profile import OPTIONS, profile_blocks, trace_on_meta
-from trainer.fit.report import collapse
-from checkpointing.saved import SavedBytesMeter
-from trainer.fit.scenario import Evaluator, Scenario, setup_of
+from checkpointing.planner.memory import estimate, sharded_numel
+from checkpointing.planner.metatrace import FusedAttentionOnMeta, profile_on_meta
+from checkpointing.planner.profile import OPTIONS, profile_blocks, trace_on_meta
+from trainer.preflight.tables import collapse
+from checkpointing.meter import SavedBytesMeter
+from trainer.preflight.scenario import Evaluator, Scenario, setup_of
 from checkpointing.wrap import resolve_ops
 from trainer.distenv import init_distributed, read_env, shutdown
 from tests.dist import spawn
@@ -344,9 +344,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, start) -> None:
 
 
 def test_the_picture_shows_the_floor_the_head_the_capacity_and_the_peak(tmp_path) -> None:
-    from trainer.fit.plot import plot_plan
-    from trainer.fit.scenario import Evaluator, Scenario
-    from trainer.fit.timeline import gib
+    from trainer.preflight.plot import plot_plan
+    from trainer.preflight.scenario import Evaluator, Scenario
+    from trainer.preflight.timeline import gib
 
     cfg, layout = check([*TINY, "checkpointing=budget"], {"WORLD_SIZE": "1"})
     outcome = Evaluator(400.0).evaluate(Scenario(cfg, layout, 1))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from tests.dist import spawn
 from tests.helpers import config
 from trainer.build import build_model

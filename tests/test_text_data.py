@@ -20,7 +20,7 @@ from trainer.data.documents import text_datasets
 from trainer.data.packing import best_fit_bins, concat_windows
 from trainer.data.sources import DocSettings
 from trainer.data.tokens import step_counts, train_batch
-from trainer.fit.precheck import deep_check
+from trainer.preflight.precheck import deep_check
 
 
 @pytest.fixture(scope="module")

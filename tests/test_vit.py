@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from trainer.distenv import read_env
 from tests.checkpoint_harness import assert_policies_bitwise, train_steps
 from tests.dist import spawn
@@ -65,7 +65,7 @@ HIGH_RES = ["model=vit_tiny", "model.image_size=1024", "model.dim=64", "model.n_
 
 def test_full_checkpointing_at_1024px_keeps_only_block_inputs_with_identical_gradients(
         world_of_one) -> None:
-    from trainer.fit.scenario import Evaluator, Scenario
+    from trainer.preflight.scenario import Evaluator, Scenario
     from trainer.cli import check
 
     runs = {p: _run(HIGH_RES + [f"checkpointing={p}"], steps=1, rank=0) for p in ("none", "full")}

@@ -36,14 +36,14 @@ def _job(cfg: DictConfig, run_dir: str, multirun: bool) -> None:
         _, world, nodes = cli.world_from_env(os.environ)
         layout = cli.validate(config, world_size=world, num_nodes=nodes)
     except ConfigError as exc:  # reached by `-m` sweeps, which skip the pre-flight check
-        cli.report(exc)
+        cli.print_error(exc)
         cli.exit_after_error()
 
-    from checkpointing.policies import BudgetError
+    from checkpointing.planner.policies import BudgetError
     from offload.engine import OffloadError
     from trainer.loop import train
     from trainer.faults import CollectiveFailure, FaultLimit
-    from trainer.fit.precheck import as_config_error, setting_of
+    from trainer.preflight.precheck import as_config_error, setting_of
     from trainer.state.ownership import RunDirBusy
     from trainer.state.save_errors import SAVE_FAILED_EXIT, SaveFailed
     from trainer.state.checkpoint import CheckpointError

@@ -21,13 +21,13 @@ import torch.distributed as dist
 
 from checkpointing.blocks import canonical_name, find_blocks
 from checkpointing.compiled import compile_blocks
-from checkpointing.metatrace import cast_like_fsdp
+from checkpointing.planner.metatrace import cast_like_fsdp
 from checkpointing.plan import BlockPlan, with_offload
-from checkpointing.policies import (Budget, BudgetError, OffloadCost, choose_plan,
+from checkpointing.planner.policies import (Budget, BudgetError, OffloadCost, choose_plan,
                                    compiler_budgets, resolve_budget)
-from checkpointing.profile import (BlockProfile, profile_blocks, trace_on_meta,
+from checkpointing.planner.profile import (BlockProfile, profile_blocks, trace_on_meta,
                                   with_compiler_option)
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from checkpointing.wrap import apply_checkpointing, resolve_ops
 from trainer.distenv import DistEnv
 from offload.apply import apply_offload, build_offloader, offload_dir, remove_stale_offload
@@ -188,7 +188,7 @@ class Built:
     compiled_blocks: int = 0  # blocks whose forward torch.compile replaced
     offloader: Optional[Offloader] = None
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
-    decision: Optional[object] = None  # trainer/fit/autofit.py's Decision, when it chose the plan
+    decision: Optional[object] = None  # preflight/auto_plan.py's Decision, when it chose the plan
     build_s: float = 0.0  # seconds build_model took: meta model, profiling (compiling there too)
     started: float = 0.0  # time.perf_counter() when build_model began
 
@@ -266,8 +266,8 @@ def with_working_sets(cfg: Config, model: nn.Module, names: Sequence[str],
                       blocks: Sequence[nn.Module], profiles: list[BlockProfile],
                       device: torch.device) -> list[BlockProfile]:
     """Each profile with its block's working set per option, measured on meta by the memory
-    model (checkpointing/metatrace.py), for the planner's K."""
-    from checkpointing.metatrace import profile_on_meta
+    model (checkpointing/planner/metatrace.py), for the planner's K."""
+    from checkpointing.planner.metatrace import profile_on_meta
 
     c = cfg.checkpointing
     task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, c))

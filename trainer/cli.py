@@ -206,12 +206,13 @@ def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
         jobs = expand_sweep(overrides) if any(a in _MULTIRUN_FLAGS for a in argv) else [overrides]
         for job in jobs:
             cfg, layout = check(job, env)
-            from trainer.fit.precheck import deep_check  # may import torch: after the quick checks
+            # may import torch: after the quick checks
+            from trainer.preflight.precheck import deep_check
 
             _, world, nodes = world_from_env(env)
             deep_check(cfg, layout, max(1, world // nodes))
     except ConfigError as exc:
-        report(exc, env)
+        print_error(exc, env)
         return USAGE_ERROR
     return 0
 
@@ -231,7 +232,8 @@ def exit_after_error(env: Mapping[str, str] = os.environ) -> None:
     sys.exit(USAGE_ERROR)
 
 
-def report(exc: ConfigError, env: Mapping[str, str] = os.environ) -> None:
+def print_error(exc: ConfigError, env: Mapping[str, str] = os.environ) -> None:
+    """The one line a config mistake prints, `error: ...`, on rank 0 only (no traceback)."""
     rank, _, _ = world_from_env(env)
     if rank == 0:
         message = str(exc)

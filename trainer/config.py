@@ -131,7 +131,7 @@ class TrainConfig:
     steps: int = 300
     seed: int = 0
     # Sequences per forward on each rank; `auto` (with global_batch_size) picks the one with the
-    # least predicted step time that fits train.memory_gib (see trainer/fit/autofit.py).
+    # least predicted step time that fits train.memory_gib (see trainer/preflight/auto_plan.py).
     micro_batch_size: Any = 16
     grad_accum: int = 1
     # When set, grad_accum is derived: global_batch_size / (micro_batch_size * data-parallel size).

@@ -24,8 +24,8 @@ from torch import nn
 
 from checkpointing.plan import (describe, head_line, head_row, head_table_row, plan_rows,
                                 plan_table, plan_to_json)
-from checkpointing.policies import added_seconds
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.planner.policies import added_seconds
+from checkpointing.meter import SavedBytesMeter
 from offload.apply import close_offloader, offload_micro_batch
 from offload.engine import Offloader
 from offload.heap import steady_thresholds
@@ -37,8 +37,8 @@ from trainer.data.tokens import step_counts, train_batch, val_batches
 from trainer.distenv import DistEnv, init_distributed, mean_and_sums, read_env, shutdown
 from trainer.faults import (Collectives, LossFn, LossGuard, PreemptionSignal, StopVote, Verdict,
                             injected_loss)
-from trainer.fit.autofit import fitting, rows as fit_rows, table as fit_table
-from trainer.fit.fitrun import DECISION_FILE as FIT_FILE, fit_run
+from trainer.preflight.auto_plan import fitting, rows as fit_rows, table as fit_table
+from trainer.preflight.auto_run import DECISION_FILE as FIT_FILE, fit_run
 from trainer.models.hf_settings import model_vocab_size
 from trainer.models.llama import lm_loss
 from trainer.observe.dashboard import end_of_run, start_logging, start_of_run

@@ -1,7 +1,7 @@
 """`python -m trainer.report [--world-size N] [--nodes M] [--gpu-memory-gib G] <overrides>`.
 
 The pre-flight "will it fit" report: the trainer's plan for this config, every block's saved
-bytes and recompute FLOPs, the per-rank memory of a step (see checkpointing/memory.py) and a
+bytes and recompute FLOPs, the per-rank memory of a step (see checkpointing/planner/memory.py) and a
 verdict against the GPU's memory, with the changes that would make it fit. Everything is
 measured on the meta device, so it runs on a laptop for a 70B model in seconds. Writes
 memory_plan.json and memory_plan.png to --out (default: a new <train.out_dir>/reports/<time>).
@@ -16,9 +16,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from trainer.cli import check, report
+from trainer.cli import check, print_error
 from trainer.config import ConfigError
-from trainer.fit.report import (DEFAULT_TFLOPS, GIB, advice_lines, block_rows, summary, table,
+from trainer.preflight.tables import (DEFAULT_TFLOPS, GIB, advice_lines, block_rows, summary, table,
                                 verdict)
 
 
@@ -68,7 +68,7 @@ def output_dir(args: argparse.Namespace, cfg) -> str:
 
 
 def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
-    from trainer.fit.autofit import fitting
+    from trainer.preflight.auto_plan import fitting
 
     """--gpu-memory-gib, else train.memory_gib, else the visible CUDA device (less
     train.memory_reserve_gib when fitting, as the trainer does)."""
@@ -92,15 +92,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                "LOCAL_WORLD_SIZE": str(args.world_size // args.nodes)}
         cfg, layout = check(args.overrides, env)
     except ConfigError as exc:
-        report(exc, {})
+        print_error(exc, {})
         sys.exit(2)
-    from trainer.fit.advice import suggest
-    from trainer.fit.plot import plot_plan
-    from trainer.fit.timeline import picture_line
-    from checkpointing.policies import BudgetError
-    from trainer.fit.autofit import (at_micro_batch, decide, fitting, flop_timing,
+    from trainer.preflight.advice import suggest
+    from trainer.preflight.plot import plot_plan
+    from trainer.preflight.timeline import picture_line
+    from checkpointing.planner.policies import BudgetError
+    from trainer.preflight.auto_plan import (at_micro_batch, decide, fitting, flop_timing,
                                  rows as fit_rows, table as fit_table)
-    from trainer.fit.scenario import Evaluator, Scenario, device_type_of
+    from trainer.preflight.scenario import Evaluator, Scenario, device_type_of
 
     # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary),
     # unless the run is for the CPU (train.device=cpu).
@@ -121,10 +121,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         else:
             outcome = evaluator.evaluate(scenario)
     except BudgetError as exc:  # the trainer refuses this budget the same way
-        report(ConfigError("checkpointing.budget", str(exc)), {})
+        print_error(ConfigError("checkpointing.budget", str(exc)), {})
         sys.exit(2)
     except ConfigError as exc:  # an impossible train.memory_gib, or a plan file that is wrong
-        report(exc, {})
+        print_error(exc, {})
         sys.exit(2)
     peak = outcome.estimate.peak.total
     if decision is not None:

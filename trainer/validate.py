@@ -375,7 +375,7 @@ def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:
                 f"{replicate} does not divide the world size {world_size}")
     shard = world_size // replicate if s.mode != "none" else 1
 
-    # micro_batch_size=auto: the layout of micro-batch 1 until trainer/fit/autofit.py chooses one.
+    # micro_batch_size=auto: the layout of micro-batch 1 until preflight/auto_plan.py chooses one.
     per_accum = (1 if auto_batch else t.micro_batch_size) * world_size
     if t.global_batch_size is None:
         grad_accum = t.grad_accum

@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Optional
 
-from checkpointing.profile import OPTIONS
+from checkpointing.planner.profile import OPTIONS
 from trainer.config import Config
 from trainer.distenv import DistEnv
 from trainer.observe.metrics import RunLogger
@@ -114,10 +114,10 @@ def start_of_run(logger: RunLogger, cfg: Config, built, layout, denv: DistEnv, r
         return None
     try:
         from trainer.observe.metrics import peak_flops
-        from trainer.fit.plot import plot_plan
-        from trainer.fit.report import summary
-        from trainer.fit.scenario import Evaluator, Scenario
-        from trainer.fit.timeline import picture_line
+        from trainer.preflight.plot import plot_plan
+        from trainer.preflight.tables import summary
+        from trainer.preflight.scenario import Evaluator, Scenario
+        from trainer.preflight.timeline import picture_line
 
         flops = peak_flops(denv.device)
         evaluator = Evaluator(flops / 1e12 if flops else 1.0,

@@ -16,7 +16,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from trainer.observe.dashboard import watch_memory
 from trainer.observe.livebytes import step_tracker
 from trainer.observe.metrics import (RunLogger, device_used_bytes, peak_flops, peak_memory_bytes,

@@ -11,17 +11,17 @@ import random
 
 import pytest
 
-from checkpointing.fit import NoFit, Timing, evaluate_plan, fit_plan
-from checkpointing.memory import capacity_chain, fixed_phases
+from checkpointing.planner.whole_step import NoFit, Timing, evaluate_plan, fit_plan
+from checkpointing.planner.memory import capacity_chain, fixed_phases
 from checkpointing.plan import make_plan, plan_from_json
-from checkpointing.planner import activation_peak
-from checkpointing.policies import block_options
-from checkpointing.profile import BlockProfile
+from checkpointing.planner.search import activation_peak
+from checkpointing.planner.policies import block_options
+from checkpointing.planner.profile import BlockProfile
 from tests.helpers import (QUICK, check_ok, losses, read_metrics, read_wandb_records,
                            run_trainer)
 from trainer.cli import check
 from trainer.config import ConfigError
-from trainer.fit.scenario import Evaluator, Scenario
+from trainer.preflight.scenario import Evaluator, Scenario
 
 SMALL = ["data.seq_len=128", "train.micro_batch_size=8", "train.device=cpu", "model.dropout=0.1"]
 OPTIONS = ("none", "selective", "full")
@@ -227,7 +227,7 @@ def test_the_report_shows_what_auto_would_choose(tmp_path) -> None:
 def test_the_largest_micro_batch_within_the_margin_of_the_fastest_wins(step_s, expected) -> None:
     """Predicted step times set per micro-batch: the largest micro-batch within
     MICRO_BATCH_MARGIN (10%) of the fastest is taken."""
-    from trainer.fit.autofit import MICRO_BATCH_MARGIN, decide
+    from trainer.preflight.auto_plan import MICRO_BATCH_MARGIN, decide
 
     assert MICRO_BATCH_MARGIN == 0.10
     cfg, layout = check([*SMALL, "train.micro_batch_size=auto", "train.global_batch_size=16",

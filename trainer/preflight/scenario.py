@@ -13,12 +13,12 @@ from typing import Optional
 
 import torch
 
-from checkpointing.memory import (Estimate, ParamGroup, Setup, as_modelled, estimate,
+from checkpointing.planner.memory import (Estimate, ParamGroup, Setup, as_modelled, estimate,
                                  param_groups)
-from checkpointing.metatrace import MetaProfile, cast_like_fsdp, profile_on_meta
+from checkpointing.planner.metatrace import MetaProfile, cast_like_fsdp, profile_on_meta
 from checkpointing.plan import BlockPlan, make_plan as plan_of, with_offload
-from checkpointing.policies import Budget, OffloadCost, choose_plan, resolve_budget
-from checkpointing.profile import BlockProfile
+from checkpointing.planner.policies import Budget, OffloadCost, choose_plan, resolve_budget
+from checkpointing.planner.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
@@ -105,7 +105,7 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
         from trainer.state.planfile import read_plan
 
         return read_plan(c.plan_file, names, shard, scenario.cfg.train.compile), None
-    assert c.policy != "auto", "checkpointing=auto plans through trainer/fit/autofit.py"
+    assert c.policy != "auto", "checkpointing=auto plans through trainer/preflight/auto_plan.py"
     if c.policy == "compiler":  # decided inside the compiled graph; evaluate() bounds it
         plan = plan_of(names, ["compiler"] * len(names), shard)
         return with_offload(plan, o.target, o.keep_last), None

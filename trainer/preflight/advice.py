@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from checkpointing.policies import BudgetError
-from trainer.fit.scenario import Evaluator, Outcome, Scenario, with_changes
+from checkpointing.planner.policies import BudgetError
+from trainer.preflight.scenario import Evaluator, Outcome, Scenario, with_changes
 from trainer.config import ConfigError
 
 # Sharding over more ranks is searched up to this many nodes; beyond it, say it cannot help.

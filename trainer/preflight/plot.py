@@ -1,6 +1,6 @@
 """memory_plan.png: memory per rank over one step, and what each block keeps under the plan.
 
-Top: one GiB axis, the step in time order (trainer/fit/timeline.py): the floor (parameters and
+Top: one GiB axis, the step in time order (trainer/preflight/timeline.py): the floor (parameters and
 optimizer state, gradients, unsharded copies and temporaries) stacked under the activations as
 they pile up block by block through the forward, the head's spike (output layer and loss), their
 release through the backward, and the optimizer step; the predicted peak with its phase, the
@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from trainer.fit.timeline import GIB, Timeline, gib, timeline  # noqa: E402
+from trainer.preflight.timeline import GIB, Timeline, gib, timeline  # noqa: E402
 from trainer.task import task_for  # noqa: E402
 
 MIB = 2 ** 20

@@ -92,13 +92,14 @@ def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
     """checkpointing=auto or micro_batch_size=auto with a train.memory_gib that not even the
     smallest micro-batch fits: the trainer's own one line, before anything starts. The memory
     model alone decides this (no timing), at the smallest candidate (the least memory)."""
-    from trainer.fit.autofit import GIB, at_micro_batch, decide, fitting, flop_timing, micro_batches
+    from trainer.preflight.auto_plan import (GIB, at_micro_batch, decide, fitting, flop_timing,
+                                             micro_batches)
 
     if not fitting(cfg) or cfg.train.memory_gib is None:
         return
     import torch
 
-    from trainer.fit.scenario import Evaluator, Scenario
+    from trainer.preflight.scenario import Evaluator, Scenario
 
     cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto"
                                         and not torch.cuda.is_available())

@@ -1,6 +1,6 @@
 """Memory per rank over one training step, as segments in time order, from a memory estimate.
 
-The numbers are the estimate's (checkpointing/memory.py), put in the order they happen:
+The numbers are the estimate's (checkpointing/planner/memory.py), put in the order they happen:
 
   forward     the embedding stage, then each block: the floor under it is the head phase's
               fixed part (parameters, gradients, optimizer state, unsharded copies as the forward
@@ -15,7 +15,7 @@ The numbers are the estimate's (checkpointing/memory.py), put in the order they 
               the root's reduce-scatter.
   optimizer   the optimizer step (no activations).
 
-Shared by the picture (trainer/fit/plot.py) and its one-line summary (`picture_line`), so the
+Shared by the picture (trainer/preflight/plot.py) and its one-line summary (`picture_line`), so the
 console, the log and the picture say the same numbers. No matplotlib here.
 """
 

@@ -1,12 +1,12 @@
 """Fitting a run to its memory: `checkpointing=auto` and `train.micro_batch_size=auto`.
 
 For every candidate micro-batch (one, or with `auto` every divisor of this rank's share of
-`train.global_batch_size`, largest first), the memory model (checkpointing/memory.py, the
+`train.global_batch_size`, largest first), the memory model (checkpointing/planner/memory.py, the
 report's) is measured on meta at that shape. A candidate no plan can fit is dropped without
 timing; the others get their step time: the trainer times each distinct block on the device
-(checkpointing/profile.py), the report uses FLOPs at a nominal rate. Then `checkpointing=auto`
-takes the fastest plan that fits (checkpointing/fit.py), a fixed policy its own plan, and the
-candidate with the least predicted step time wins, except that the largest micro-batch within
+(checkpointing/planner/profile.py), the report uses FLOPs at a nominal rate. Then
+`checkpointing=auto` takes the fastest plan that fits (checkpointing/planner/whole_step.py), a
+fixed policy its own plan, and the candidate with the least predicted step time wins, except that the largest micro-batch within
 MICRO_BATCH_MARGIN of it is taken instead (costs per micro-batch are not all timed). Every
 candidate considered, with the uniform policies beside auto's plan, is kept as a table.
 """
@@ -17,11 +17,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from checkpointing.fit import Choice, NoFit, Timing, evaluate_plan, fit_plan
+from checkpointing.planner.whole_step import Choice, NoFit, Timing, evaluate_plan, fit_plan
 from checkpointing.plan import BlockPlan, describe, make_plan, recompute_pattern, with_offload
-from checkpointing.profile import BlockProfile
+from checkpointing.planner.profile import BlockProfile
 from trainer.config import Config, ConfigError
-from trainer.fit.scenario import NOMINAL_SECONDS_PER_BYTE, Evaluator, Scenario, with_changes
+from trainer.preflight.scenario import NOMINAL_SECONDS_PER_BYTE, Evaluator, Scenario, with_changes
 from trainer.validate import Layout
 
 GIB = 2 ** 30
@@ -55,7 +55,7 @@ class Decision:
     step_s: float
     candidates: list[Candidate]
     profiles: Optional[list[BlockProfile]] = None  # device profiles at the chosen micro-batch
-    reused: bool = False  # read back from an earlier start of the run (trainer/fit/fitrun.py)
+    reused: bool = False  # read back from an earlier start of the run (preflight/auto_run.py)
 
 
 # (cfg at one micro-batch, its scenario, the meta profile's evaluator) -> (timing, profiles)

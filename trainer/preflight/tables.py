@@ -1,6 +1,6 @@
 """The pre-flight "will it fit" report, as tables and a verdict: the trainer's plan for a config,
 every block's saved bytes and recompute FLOPs, the per-rank memory of a step (see
-checkpointing/memory.py) and the changes that would make it fit. The command is
+checkpointing/planner/memory.py) and the changes that would make it fit. The command is
 trainer/report.py (`python -m trainer.report`).
 """
 

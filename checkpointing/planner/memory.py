@@ -16,7 +16,7 @@ largest phase, each phase being the sum of what is alive during it:
               reduce-scatter input (reduce_dtype, padded); the unsharded gradients of root
               parameters the head uses, from the head's backward to the root's reduce-scatter.
               With reshard_after_forward=false every block up to the running one stays unsharded.
-  activations the chain formula of checkpointing.planner.activation_peak over the embedding
+  activations the chain formula of checkpointing.planner.search.activation_peak over the embedding
               stage, the blocks and the head: max(S_total, max_i (S_<i + K_i)), with S the saved
               bytes of the plan's options and K the measured working set of each block (its
               saved bytes, recompute, gradients and its unsharded weight gradients) and of the
@@ -37,10 +37,10 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from checkpointing.metatrace import BlockMeasure, MetaProfile
+from checkpointing.planner.metatrace import BlockMeasure, MetaProfile
 from checkpointing.plan import BlockPlan
-from checkpointing.planner import BlockOptions, Option, activation_peak
-from checkpointing.profile import OPTIONS
+from checkpointing.planner.search import BlockOptions, Option, activation_peak
+from checkpointing.planner.profile import OPTIONS
 
 
 @dataclass(frozen=True)
@@ -265,8 +265,8 @@ def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[
              setup: Setup) -> Estimate:
     """Per-rank bytes of every phase of a step under `plan`, and the largest phase.
 
-    Activations follow the chain formula (checkpointing/planner.py): while element i (embedding
-    stage, block, head) runs, S_<i + K_i; a block's reduce-scatter holds S_<i."""
+    Activations follow the chain formula (checkpointing/planner/search.py): while element i
+    (embedding stage, block, head) runs, S_<i + K_i; a block's reduce-scatter holds S_<i."""
     plan = as_modelled(plan)
     fixed = fixed_phases(groups, profile, setup)
     saved, peaks = _plan_chain(profile, plan, setup)
@@ -311,7 +311,8 @@ def capacity_chain(fixed: Fixed, profile: MetaProfile,
     K the planner's peak is the predicted step peak (the optimizer step aside), so
     `plan_budget(chain, X)` is the cheapest plan whose whole step fits X.
 
-    `blocks`: each block's options (checkpointing/policies.block_options, fold_prefetch=False).
+    `blocks`: each block's options (checkpointing/planner/policies.block_options,
+    fold_prefetch=False).
     An offloaded block i is all back while block i+1 runs backward (fetched one block ahead):
     S_<i + saved_i + max(C_{i+1} + K_{i+1}, R_{i+1}), counted in the option's own K with the
     largest K of block i+1, so it holds whatever block i+1 chooses.

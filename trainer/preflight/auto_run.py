@@ -1,5 +1,5 @@
-"""The trainer's side of fitting (trainer/fit/autofit.py): device timing, one decision for all ranks,
-and the same decision again when the run is started again.
+"""The trainer's side of `auto` (trainer/preflight/auto_plan.py): device timing, one decision for
+all ranks, and the same decision again when the run is started again.
 
 Rank 0 decides (its timings are the only ones used) and every rank receives the decision, as
 the budget planner's profiles are shared. The decision is written to `<run dir>/auto.json`; a
@@ -19,19 +19,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from checkpointing.fit import Timing
-from checkpointing.metatrace import cast_like_fsdp
+from checkpointing.planner.whole_step import Timing
+from checkpointing.planner.metatrace import cast_like_fsdp
 from checkpointing.plan import BlockPlan
-from checkpointing.profile import profile_blocks, trace_on_meta
+from checkpointing.planner.profile import profile_blocks, trace_on_meta
 from checkpointing.wrap import resolve_ops
 from offload.apply import offload_dir
 from offload.bandwidth import seconds_per_byte
 from sharding.fsdp import DTYPES
-from trainer.fit.autofit import GIB, Candidate, Decision, Timer, decide, rest_flops
+from trainer.preflight.auto_plan import GIB, Candidate, Decision, Timer, decide, rest_flops
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config, ConfigError
 from trainer.distenv import DistEnv
-from trainer.fit.scenario import Evaluator, Scenario
+from trainer.preflight.scenario import Evaluator, Scenario
 from trainer.task import head_chunk, task_for
 from trainer.validate import Layout
 

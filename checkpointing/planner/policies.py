@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from checkpointing.plan import BlockPlan, make_plan, recompute_pattern
-from checkpointing.planner import BlockOptions, InfeasibleBudget, Option, plan_budget
-from checkpointing.profile import OPTIONS, BlockProfile
+from checkpointing.planner.search import BlockOptions, InfeasibleBudget, Option, plan_budget
+from checkpointing.planner.profile import OPTIONS, BlockProfile
 
 
 class BudgetError(ValueError):
@@ -53,7 +53,7 @@ def block_options(names: Sequence[str], profiles: Sequence[BlockProfile],
     While the next block's backward runs, the engine already brings an offloaded block back
     (one block ahead), so then all it saved is on the device beside that block's working set:
     fold_prefetch counts this in the offload option's own K, with the next block's largest
-    working set (checkpointing/memory.py's capacity_chain folds it with the phases instead).
+    working set (checkpointing/planner/memory.py's capacity_chain folds it with the phases instead).
     """
     out = []
     for index, (name, p) in enumerate(zip(names, profiles, strict=True)):

@@ -1,13 +1,14 @@
 """`checkpointing=auto`: the fastest per-block plan whose whole step fits a memory capacity.
 
-One memory model decides: checkpointing/memory.py's fixed part of every phase (parameters,
-gradients, optimizer state, FSDP transients, the head, optimizer temporaries) plus the activation
-chain, turned into the planner's chain by `capacity_chain`. The planner (checkpointing/planner.py)
-then returns the plan with the least added seconds whose predicted peak is within the capacity;
-`estimate` of that plan gives the same peak, which is what a caller shows and checks.
+One memory model decides: checkpointing/planner/memory.py's fixed part of every phase
+(parameters, gradients, optimizer state, FSDP transients, the head, optimizer temporaries) plus
+the activation chain, turned into the search's chain by `capacity_chain`. The search
+(checkpointing/planner/search.py) then returns the plan with the least added seconds whose
+predicted peak is within the capacity; `estimate` of that plan gives the same peak, which is what
+a caller shows and checks.
 
-Time comes from measurements the caller makes (checkpointing/profile.py on the device) or from
-FLOPs at a nominal rate (the pre-flight report): `Timing`. Pure arithmetic over those numbers.
+Time comes from measurements the caller makes (checkpointing/planner/profile.py on the device) or
+from FLOPs at a nominal rate (the pre-flight report): `Timing`. Pure arithmetic over those numbers.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from checkpointing.memory import (Estimate, ParamGroup, Setup, capacity_chain, estimate,
+from checkpointing.planner.memory import (Estimate, ParamGroup, Setup, capacity_chain, estimate,
                                   fixed_phases, moved_bytes)
-from checkpointing.metatrace import MetaProfile
+from checkpointing.planner.metatrace import MetaProfile
 from checkpointing.plan import BlockPlan, make_plan
-from checkpointing.planner import activation_peak, min_feasible_budget, plan_budget
-from checkpointing.policies import CHOICES, OffloadCost, block_options
-from checkpointing.profile import BlockProfile
+from checkpointing.planner.search import activation_peak, min_feasible_budget, plan_budget
+from checkpointing.planner.policies import CHOICES, OffloadCost, block_options
+from checkpointing.planner.profile import BlockProfile
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def fit_plan(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Setup, t
              capacity: int, shard: bool, keep_last: int, target: str = "cpu") -> Choice:
     """The plan with the least predicted step time whose predicted peak is <= capacity.
 
-    Options per block are the budget planner's (checkpointing/policies.block_options): recompute
-    none / selective / full and, when `setup` moves offloaded tensors, none or full offloaded to
+    Options per block are the budget planner's (checkpointing/planner/policies.block_options):
+    recompute none / selective / full and, when `setup` moves offloaded tensors, none or full offloaded to
     `target` (not for the last `keep_last` blocks). Raises NoFit naming the least capacity.
     """
     fixed = fixed_phases(groups, profile, setup)

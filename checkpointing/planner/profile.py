@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from checkpointing.compiled import compile_block
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.meter import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
 
 OPTIONS = ("none", "selective", "full")
@@ -31,7 +31,7 @@ class BlockProfile:
     compute_s: float = 0.0  # forward+backward of the block as it is (transfers can hide here)
     storage_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per option
     # Per option: bytes alive while the block runs (its working set), from the memory model's
-    # meta measurement (checkpointing/metatrace.py); empty: not measured.
+    # meta measurement (checkpointing/planner/metatrace.py); empty: not measured.
     working_bytes: dict[str, int] = field(default_factory=dict)
     # With the "compiler" option: the partitioner's activation_memory_budget it was measured at.
     compiler_budget: Optional[float] = None

@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.head import SeeInsideHead
-from checkpointing.profile import OPTIONS, trace_on_meta
-from checkpointing.saved import SavedBytesMeter
+from checkpointing.planner.profile import OPTIONS, trace_on_meta
+from checkpointing.meter import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
