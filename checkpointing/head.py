@@ -17,7 +17,7 @@ cuBLAS) may round a row of a product differently when the product has another nu
 the CI CPU, chunks of 1 or 7 rows change a token's hidden gradient in the last bit; chunks that
 are whole multiples of 16 rows do not).
 
-    python -m checkpointing.head_bench --tokens 4096 --vocab 32000,128256 --dim 512
+    python -m launch.bench.head --tokens 4096 --vocab 32000,128256 --dim 512
 
 times forward+backward of this op against the plain head and measures the peak of live tensor
 bytes of both.

@@ -21,7 +21,7 @@ from launch import gpu_table
 if TYPE_CHECKING:
     from launch.gpu_check import Check, Mode
 
-# name -> overrides on top of the common ones; "ref:" rows run gpu_reference.py instead.
+# name -> overrides on top of the common ones; "ref:" rows run launch/bench/plain.py instead.
 # In order of value, since the budget may end the list early: first what the targets need
 # (G1: selective and its reference; G2: full and full + offload=cpu; auto against the uniform
 # policies that ran: selective and full already, then none), then the other policies and the
@@ -75,7 +75,7 @@ def bench_row(check: Check, name: str, micro_batch: int, seq_len: int, cap: floa
     run_dir = os.path.join(check.work, "bench", name.replace(" ", "").replace(":", "_")
                            .replace("+", "_").replace("=", "-"))
     if name.startswith("ref:"):
-        argv = [sys.executable, "-m", "launch.gpu_reference", "--policy", name[4:],
+        argv = [sys.executable, "-m", "launch.bench.plain", "--policy", name[4:],
                 "--micro-batch", str(micro_batch), "--seq", str(seq_len), "--steps",
                 str(m.steps), "--warmup", str(m.warmup), "--device", m.device,
                 *m.reference_shape]

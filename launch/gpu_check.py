@@ -10,7 +10,7 @@ Stages, in order, each in its own process with its own time cap, so a failing or
 stage is recorded and the next one still runs: `env`, `cuda_tests`, `parity` (every recompute
 policy x offload none/cpu against `none`, and selective in bf16 against `none` in bf16), `fit` (the largest micro-batch under `full`, from the
 memory model), `bench` (llama_1b in bf16 through the real trainer, and as the plain-PyTorch
-launch/gpu_reference.py), `torchtitan` and `predict` (the report's peak per row against the
+launch/bench/plain.py), `torchtitan` and `predict` (the report's peak per row against the
 measured high-water mark); README's "GPU check" has the details. A GPU session has ~15 minutes
 of device time and one call may run 10 minutes: the default budget ends the first call inside
 that, and `--resume` measures in a second call what the first had no time for. Results go to
@@ -56,7 +56,7 @@ class Mode:
 
     @property
     def reference_shape(self) -> list[str]:
-        """gpu_reference.py flags for the same shapes as `model`."""
+        """launch/bench/plain.py flags for the same shapes as `model`."""
         keys = {"model.dim": "--dim", "model.n_layers": "--layers", "model.n_heads": "--heads",
                 "model.n_kv_heads": "--kv-heads", "model.ffn_hidden": "--ffn",
                 "model.vocab_size": "--vocab"}
@@ -64,7 +64,7 @@ class Mode:
         return [flag for key, value in pairs if key in keys for flag in (keys[key], value)]
 
 
-LLAMA_1B = ["model=llama_1b"]  # gpu_reference.py's defaults are these shapes
+LLAMA_1B = ["model=llama_1b"]  # launch/bench/plain.py's defaults are these shapes
 TINY = ["model=tiny", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_hidden=128", "model.vocab_size=256"]
 

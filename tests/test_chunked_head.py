@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpointing.head import SeeInsideHead, chunked_linear_cross_entropy, default_chunk_tokens
-from checkpointing.head_bench import main
+from launch.bench.head import main
 from trainer.observe.livebytes import LiveTensorBytes, _LiveTensorBytes
 
 IGNORE = -100

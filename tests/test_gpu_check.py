@@ -234,7 +234,7 @@ def test_plain_reference_recomputes_exactly() -> None:
              "--param-dtype", "float32", "--device", "cpu"]
     losses = {}
     for policy in ("none", "full", "selective"):
-        done = subprocess.run([sys.executable, "-m", "launch.gpu_reference", "--policy", policy,
+        done = subprocess.run([sys.executable, "-m", "launch.bench.plain", "--policy", policy,
                                *shape], cwd=REPO, env=subprocess_env(), capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]

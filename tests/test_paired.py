@@ -1,4 +1,4 @@
-"""launch.paired: blocktrain's per-block plan and the plain loop's wrapping, step by step."""
+"""launch.bench.paired: blocktrain's per-block plan and the plain loop's wrapping, step by step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launch import paired
+from launch.bench import paired
 from tests.helpers import REPO, subprocess_env
 
 SMALL = ["--dim", "32", "--ffn", "64", "--vocab", "64", "--seq", "16", "--micro-batch", "2",
@@ -16,7 +16,7 @@ SMALL = ["--dim", "32", "--ffn", "64", "--vocab", "64", "--seq", "16", "--micro-
 
 
 def test_every_policy_gives_a_row_with_bitwise_equal_losses() -> None:
-    done = subprocess.run([sys.executable, "-m", "launch.paired", *SMALL], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "launch.bench.paired", *SMALL], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = [ln for ln in done.stdout.splitlines() if ln.startswith("| ") and "---" not in ln][1:]

@@ -1,5 +1,5 @@
 """Every trainer, Slurm and report command in the code blocks of README and of the pages it sends
-readers to (tests/README.md, checkpointing/BENCHMARKS.md) composes and validates (no training),
+readers to (tests/README.md, launch/bench/BENCHMARKS.md) composes and validates (no training),
 and every error they show is the error that command gives, word for word."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ PATH_KEYS = ("data.train_path", "data.val_path", "model.path", "save.dir", "offl
              "data.path", "data.tokenizer")
 TOOLS = {"-m trainer": "trainer", "-m launch.slurm": "slurm", "-m trainer.report": "report"}
 # README and the pages that took over its test catalogue and its history of figures.
-PAGES = ("README.md", "tests/README.md", "checkpointing/BENCHMARKS.md", "launch/README.md",
-         "trainer/data/BENCHMARKS.md")
+PAGES = ("README.md", "tests/README.md", "launch/bench/BENCHMARKS.md", "launch/README.md",
+         "launch/bench/DATA_BENCHMARKS.md")
 
 
 def readme_commands(page: str = "README.md") -> list[tuple[int, str, str | None]]:

@@ -1,5 +1,5 @@
 """Every command README quotes beside a figure (an inline `python -m ...`, `pytest ...` or script),
-and every one the pages README sends readers to quote (checkpointing/BENCHMARKS.md, the history of
+and every one the pages README sends readers to quote (launch/bench/BENCHMARKS.md, the history of
 figures; tests/README.md), exists and runs: its module and flags exist, its overrides compose and validate, a pre-flight
 report runs as quoted (it is cheap: the meta device), and a benchmark runs its first row on the
 tiny model for two steps. So a figure cannot outlive the command that produced it.
@@ -23,8 +23,8 @@ from trainer import cli
 
 # Placeholders mark a command's shape, not a run of it.
 PLACEHOLDERS = ("...", "<", "[", "ENTITY", "A,B,C", "=G", " N ", " P ", "OUT")
-PAGES = ("README.md", "checkpointing/BENCHMARKS.md", "tests/README.md", "launch/README.md",
-         "trainer/data/BENCHMARKS.md")
+PAGES = ("README.md", "launch/bench/BENCHMARKS.md", "tests/README.md", "launch/README.md",
+         "launch/bench/DATA_BENCHMARKS.md")
 
 
 def quoted_commands(*pages: str) -> list[str]:
@@ -57,12 +57,12 @@ def _kinds(commands: list[str]) -> set[str]:
 
 def test_readme_quotes_figure_commands_of_every_kind() -> None:
     kinds = _kinds(quoted_commands("README.md"))
-    assert {"checkpointing.bench", "trainer.report", "trainer", "pytest"} <= kinds, kinds
+    assert {"launch.bench", "trainer.report", "trainer", "pytest"} <= kinds, kinds
 
 
 def test_benchmarks_page_quotes_the_commands_of_its_figures() -> None:
-    kinds = _kinds(quoted_commands("checkpointing/BENCHMARKS.md"))
-    assert {"checkpointing.bench", "trainer.report", "trainer", "pytest"} <= kinds, kinds
+    kinds = _kinds(quoted_commands("launch/bench/BENCHMARKS.md"))
+    assert {"launch.bench", "trainer.report", "trainer", "pytest"} <= kinds, kinds
 
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -147,11 +147,11 @@ def test_quoted_command_runs(command: str, tmp_path) -> None:
         ran = _run([sys.executable, "-m", "trainer.report", *rest, "--out",
                     str(tmp_path)])
         assert ran.returncode == 0 and "predicted peak" in ran.stdout, ran.stderr[-2000:]
-    elif module == "trainer.data.bench":  # its three parts, on a small corpus
-        ran = _run([sys.executable, "-m", "trainer.data.bench", "--text-mb", "0.2", "--chats",
+    elif module == "launch.bench.data":  # its three parts, on a small corpus
+        ran = _run([sys.executable, "-m", "launch.bench.data", "--text-mb", "0.2", "--chats",
                     "200", "--steps", "5", "--out", str(tmp_path)], timeout=600)
         assert ran.returncode == 0 and "ms/step" in ran.stdout, ran.stderr[-2000:]
-    elif module == "checkpointing.bench":
+    elif module == "launch.bench":
         cli.check(_overrides(rest), {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
                   local_gpus=False)  # its own overrides, as quoted
         row = _first_row(rest)
@@ -159,6 +159,6 @@ def test_quoted_command_runs(command: str, tmp_path) -> None:
         if flags in BENCH_RUN:  # a quoted command of the same mode already ran
             return
         BENCH_RUN.add(flags)
-        ran = _run([sys.executable, "-m", "checkpointing.bench", *row], timeout=600)
+        ran = _run([sys.executable, "-m", "launch.bench", *row], timeout=600)
         assert ran.returncode == 0 and "|---" in ran.stdout, ran.stdout[-2000:] + ran.stderr[
             -2000:]

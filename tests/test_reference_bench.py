@@ -1,5 +1,5 @@
-"""`python -m checkpointing.bench --reference` (checkpointing/reference.py): it runs on a tiny
-model, and blocktrain's step does no more than the plain PyTorch loop of launch/gpu_reference.py
+"""`python -m launch.bench --reference` (launch/bench/reference.py): it runs on a tiny
+model, and blocktrain's step does no more than the plain PyTorch loop of launch/bench/plain.py
 (dispatched operators, hooks, host reads) beyond what NAMED_EXTRAS names and counts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from checkpointing import reference
+from launch.bench import reference
 
 TINY = ["--micro-batch", "2", "--seq", "32", "--steps", "6", "--nproc", "2"]
 
@@ -79,7 +79,7 @@ def test_the_control_runs_the_plain_loop_on_both_sides(capsys, monkeypatch) -> N
     out = capsys.readouterr().out
     rows = _rows(out, "llama")
     assert len(rows) == 1 and rows[0][-1] == "yes", out  # timed only: no counting runs
-    assert len(commands) == 2 and all("launch.gpu_reference" in c and "trainer" not in c
+    assert len(commands) == 2 and all("launch.bench.plain" in c and "trainer" not in c
                                       for c in commands), commands
     assert "--control" in out.splitlines()[0] and "ops/step" not in out
 

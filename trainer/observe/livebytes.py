@@ -1,5 +1,5 @@
 """Measuring the real peak of live tensor memory, for checking the memory model on CPU
-(`logging.live_bytes_step`, the tests, `python -m checkpointing.bench --memory-gib`).
+(`logging.live_bytes_step`, the tests, `python -m launch.bench --memory-gib`).
 
 `LiveTensorBytes` is a dispatch mode: every op's outputs have their storages recorded (weakly),
 and after each op the bytes of all recorded storages still alive are summed; the largest sum is

@@ -1,6 +1,6 @@
 """Benchmark text and chat data: tokenizing, the cache, packing, and what they cost a step.
 
-    python -m trainer.data.bench [--text-mb 100] [--chats 20000] [--steps 30] [--out DIR]
+    python -m launch.bench.data [--text-mb 100] [--chats 20000] [--steps 30] [--out DIR]
 
 1. Tokenizing a generated jsonl of about --text-mb MB (documents/s, tokens/s), then the same
    again, which the cache answers (seconds, both starts).
@@ -90,7 +90,8 @@ def bench_steps(root: Path, tokenizer: str, steps: int, chats: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.data",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--text-mb", type=float, default=100.0)
     parser.add_argument("--chats", type=int, default=20000)
     parser.add_argument("--steps", type=int, default=30)

@@ -1,9 +1,9 @@
 """Benchmark the checkpoint policies and offload targets through the real trainer.
 
-    python -m checkpointing.bench [--steps N] [--nproc P] [--policies a,b] [--targets none,disk]
+    python -m launch.bench [--steps N] [--nproc P] [--policies a,b] [--targets none,disk]
                                   [trainer overrides ...]
-    python -m checkpointing.bench --memory-gib 0.06,0.1,0.2 train.global_batch_size=32 ...
-    python -m checkpointing.bench --reference [...]   (against a plain loop: reference.py)
+    python -m launch.bench --memory-gib 0.06,0.1,0.2 train.global_batch_size=32 ...
+    python -m launch.bench --reference [...]   (against a plain loop: reference.py)
 
 Each (policy, offload target) runs as its own `python -m trainer` (or torchrun) job with the same
 overrides. The table shows the median step time (first step excluded) and its ratio to the same
@@ -183,15 +183,16 @@ def print_memory_table(rows: dict[tuple[float, str], dict | None]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--reference" in argv:  # blocktrain against a plain PyTorch loop: checkpointing/reference.py
-        from checkpointing.reference import main as reference
+    if "--reference" in argv:  # blocktrain against a plain PyTorch loop: launch/bench/reference.py
+        from launch.bench.reference import main as reference
 
         return reference([a for a in argv if a != "--reference"])
     return policy_tables(argv)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=1,
@@ -204,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
                              "to fit (needs train.global_batch_size=...)")
     parser.add_argument("--reference", action="store_true",
                         help="blocktrain against a plain PyTorch loop, in paired rounds, with "
-                             "per-step counts (checkpointing/reference.py; it also takes "
+                             "per-step counts (launch/bench/reference.py; it also takes "
                              "--models, --micro-batch, --seq, --dropout, --device, --malloc, "
                              "--control, --interleave, --layers, --overrides)")
     parser.add_argument("--budgets", default=None,
@@ -229,7 +230,7 @@ def policy_tables(argv: list[str]) -> int:
             rows = memory_rows(levels, policies, overrides, args.steps, args.nproc, args.repeat,
                                out)
         print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
-              f"nproc {args.nproc}: python -m checkpointing.bench --memory-gib {args.memory_gib} "
+              f"nproc {args.nproc}: python -m launch.bench --memory-gib {args.memory_gib} "
               f"--steps {args.steps} --repeat {args.repeat} " + " ".join(overrides))
         print_memory_table(rows)
         return 0
@@ -240,7 +241,7 @@ def policy_tables(argv: list[str]) -> int:
             rows = budget_rows([float(v) for v in args.budgets.split(",")], overrides,
                                args.steps, args.nproc, args.repeat, out)
         print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
-              f"nproc {args.nproc}, torch {torch_version()}: python -m checkpointing.bench "
+              f"nproc {args.nproc}, torch {torch_version()}: python -m launch.bench "
               f"--budgets {args.budgets} --steps {args.steps} --repeat {args.repeat} "
               + " ".join(overrides))
         print_budget_table(rows)
@@ -264,7 +265,7 @@ def policy_tables(argv: list[str]) -> int:
     rows = {key: {name: statistics.median(r[name] for r in runs) for name in runs[0]}
             for key, runs in rounds.items()}
     print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
-          f"nproc {args.nproc}: python -m checkpointing.bench --steps {args.steps} "
+          f"nproc {args.nproc}: python -m launch.bench --steps {args.steps} "
           f"--repeat {args.repeat} "
           f"--policies {args.policies} --targets {args.targets} " + " ".join(overrides))
     print("| policy | offload | step s | x base | act on device MiB | offloaded MiB | "

@@ -1,4 +1,4 @@
-"""`python -m checkpointing.head_bench`: the chunked head (checkpointing/head.py) against
+"""`python -m launch.bench.head`: the chunked head (checkpointing/head.py) against
 F.cross_entropy(F.linear(...)) on CPU: median forward+backward time and peak live tensor bytes."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def bench_vocab(tokens: int, vocab: int, dim: int, chunk: int, repeats: int,
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m checkpointing.head_bench", description=(
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.head", description=(
         "Forward+backward of the chunked fused head against F.cross_entropy(F.linear(...)) on "
         "CPU: median step time and peak live tensor bytes."))
     parser.add_argument("--tokens", type=int, default=4096)

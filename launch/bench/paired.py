@@ -1,18 +1,18 @@
 """blocktrain's per-block plan against the plain loop's wrapping, step by step in one process.
 
-    python -m launch.paired [--policies none,full,selective] [--steps 60] [--threads 1]
-    torchrun --nproc-per-node 2 -m launch.paired ...
+    python -m launch.bench.paired [--policies none,full,selective] [--steps 60] [--threads 1]
+    torchrun --nproc-per-node 2 -m launch.bench.paired ...
 
 Separate processes compared on this kind of machine differ by 10-20% run to run (other tenants,
 memory layout), more than the few percent being looked for. Here both models live in one process
 and take turns, step after step, their order alternating: whatever slows the machine for a while
 slows both sides of a pair alike, and the median of the per-pair ratios is left. Side "blocktrain":
 the built-in Llama (trainer/models/llama.py) with checkpointing.wrap's recompute and
-sharding.fsdp's `fully_shard` per block and root; side "plain": launch/gpu_reference.py's Llama
+sharding.fsdp's `fully_shard` per block and root; side "plain": launch/bench/plain.py's Llama
 with its `torch.utils.checkpoint` wrapping and `fully_shard`. The same initial weights, the same
 batches, AdamW and clipping on both, so their losses agree bitwise, which is checked every step.
 What this leaves out, the loop around the step (logging, votes, reading data) and the process
-(imports, heap), is what `python -m checkpointing.bench --reference` measures and counts.
+(imports, heap), is what `python -m launch.bench --reference` measures and counts.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from checkpointing.plan import DEFAULT_SAVE_OPS, BlockPlan
 from checkpointing.wrap import apply_checkpointing
-from launch import gpu_reference as plain
+from launch.bench import plain
 from sharding.fsdp import apply_fsdp, build_mesh
 from trainer.models.llama import Llama, LlamaArgs, lm_loss
 

@@ -1,21 +1,21 @@
 """blocktrain against a plain PyTorch loop doing the same arithmetic: the framework's tax.
 
-    python -m checkpointing.bench --reference [--nproc 2] [--repeat 3] [--steps 12]
+    python -m launch.bench --reference [--nproc 2] [--repeat 3] [--steps 12]
         [--policies none,full,selective] [--models llama,hf] [--micro-batch 8] [--seq 256]
         [--interleave steps|runs] [--layers 4]
         [--control]   (the plain loop on both sides: the spread this machine reads for equal
                        programs, the yardstick for any ratio above)
 
 For each model (the built-in Llama, and a Hugging Face Qwen2 through model=hf) and each policy,
-`python -m trainer` and the plain loop of launch/gpu_reference.py (the GPU check's reference:
+`python -m trainer` and the plain loop of launch/bench/plain.py (the GPU check's reference:
 `fully_shard` per block and root, `torch.utils.checkpoint` per block, AdamW, the same data,
 initialisation and schedule, so the losses agree bitwise) run with the same shapes on the same
 ranks, in pairs, each round over every pair, which one starts alternating between rounds. By
 default (`--interleave steps`) the two run at once and take turns a step each
-(checkpointing/turns.py): a slow spell of a shared machine then falls on both, where with
+(launch/bench/turns.py): a slow spell of a shared machine then falls on both, where with
 `--interleave runs` (one whole run, then the other) it falls on one, and equal programs read
 0.90-1.16x here (2026-12-02) against 0.97-1.03x taking turns. Both are timed by one clock read in
-a global optimizer post-hook (checkpointing/stepcount.py), so a step is the same span for both:
+a global optimizer post-hook (launch/bench/stepcount.py), so a step is the same span for both:
 from one optimizer step to the next, the loop's own work (logging, votes, reading the batch)
 included, the wait for the turn not. Printed per pair: the median over rounds of the ratio of
 median step times (blocktrain / plain) and its range, the ratio of peak memory, the seconds from
@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Optional
 
-from checkpointing import turns
+from launch.bench import turns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,11 +121,11 @@ def is_ours(side: str, a) -> bool:
 
 def command(side: str, model: str, policy: str, a, where: str, timing: bool,
             turns: str = "") -> list[str]:
-    """The command line of one run under checkpointing/stepcount.py."""
+    """The command line of one run under launch/bench/stepcount.py."""
     ours = is_ours(side, a)
     module, args = (("trainer", trainer_args(model, policy, a, os.path.join(where, "run")))
-                    if ours else ("launch.gpu_reference", reference_args(model, policy, a)))
-    wrapper = ["-m", "checkpointing.stepcount", *(["--times"] if timing else []),
+                    if ours else ("launch.bench.plain", reference_args(model, policy, a)))
+    wrapper = ["-m", "launch.bench.stepcount", *(["--times"] if timing else []),
                *(["--turns", turns] if turns else []), where, module]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={a.nproc}"] if a.nproc > 1 else [sys.executable])
@@ -171,7 +171,7 @@ def run(side: str, model: str, policy: str, a, out: str, timing: bool) -> dict:
 
 
 def run_turns(sides: tuple[str, str], model: str, policy: str, a, out: str) -> dict:
-    """Both runs at once, taking turns a step each (checkpointing/turns.py): sides[0] starts,
+    """Both runs at once, taking turns a step each (launch/bench/turns.py): sides[0] starts,
     sides[1] is launched once sides[0] has ended its first step and waits for its turn."""
     folder = os.path.join(out, f"{model}-{policy}-turns")
     turns.make(folder, a.nproc)
@@ -378,7 +378,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, load average "
           f"{started} at the start, {load_average()} at the end; torch {torch.__version__}; "
-          f"python -m checkpointing.bench --reference --nproc {a.nproc} --repeat {a.repeat} "
+          f"python -m launch.bench --reference --nproc {a.nproc} --repeat {a.repeat} "
           f"--steps {a.steps} --policies {a.policies} --models {a.models} --micro-batch "
           f"{a.micro_batch} --seq {a.seq} --dropout {a.dropout} --device {a.device} --malloc "
           f"{a.malloc} --interleave {a.interleave} --layers {a.layers}"

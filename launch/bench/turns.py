@@ -1,7 +1,7 @@
 """Two programs taking turns, step by step, so that a slow spell of the machine falls on both.
 
-Used by `python -m checkpointing.bench --reference` (checkpointing/reference.py) through
-checkpointing/stepcount.py. Each rank of the program that starts first ("first") and the same
+Used by `python -m launch.bench --reference` (launch/bench/reference.py) through
+launch/bench/stepcount.py. Each rank of the program that starts first ("first") and the same
 rank of the other ("second") share two named pipes in one folder: `a<rank>`, written by the
 first, and `b<rank>`, written by the second. At the end of every optimizer step a program hands
 the turn over (one byte) and blocks until it comes back, so only one program computes at a time

@@ -1,6 +1,6 @@
 """Counting what one training step does, without a clock: any training script, per step.
 
-    python -m checkpointing.stepcount [--times [--turns FOLDER:first|second]] OUT_DIR MODULE
+    python -m launch.bench.stepcount [--times [--turns FOLDER:first|second]] OUT_DIR MODULE
         [args ...]   (also under torchrun)
 
 runs `python -m MODULE args` and writes OUT_DIR/rank<r>.json. With `--times`, nothing but the
@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from checkpointing.turns import Turns
+from launch.bench.turns import Turns
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE)) + os.sep  # the repository (the reference too)
@@ -206,7 +206,7 @@ class Times:
 
 
 def _turns(argv: list[str]) -> tuple[Turns | None, list[str]]:
-    """`--turns FOLDER:first|second` taken off the front of argv (checkpointing/turns.py)."""
+    """`--turns FOLDER:first|second` taken off the front of argv (launch/bench/turns.py)."""
     if argv[0] != "--turns":
         return None, argv
     folder, _, side = argv[1].rpartition(":")

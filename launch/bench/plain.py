@@ -1,8 +1,8 @@
-"""The plain-PyTorch reference of the GPU check and of `python -m checkpointing.bench
+"""The plain-PyTorch reference of the GPU check and of `python -m launch.bench
 --reference`: nothing of blocktrain's, only torch (and transformers for an HF model).
 
-    python -m launch.gpu_reference --policy full --micro-batch 8 --seq 4096 [shape flags]
-    torchrun --nproc-per-node 2 -m launch.gpu_reference --policy full --hf-config '{...}'
+    python -m launch.bench.plain --policy full --micro-batch 8 --seq 4096 [shape flags]
+    torchrun --nproc-per-node 2 -m launch.bench.plain --policy full --hf-config '{...}'
 
 The loop a user would write by hand around the same arithmetic as blocktrain's: `fully_shard`
 per block and on the root, `torch.utils.checkpoint` per block for `full`, selective checkpoint
