@@ -5,10 +5,13 @@ anything above them (nor `launch/`), not even inside a function."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, subprocess_env
 
 ABOVE = {"checkpointing": {"trainer", "launch"}, "offload": {"trainer", "launch"},
          "sharding": {"trainer", "launch"}, "trainer": {"launch"}}
@@ -149,6 +152,92 @@ def test_the_checks_see_a_circle_and_a_wrong_arrow(tmp_path) -> None:
     known = {"trainer.loop", "trainer.preflight.tables", "trainer", "trainer.cli"}
     assert imported_modules(sample, known) == {"trainer", "trainer.loop",
                                                "trainer.preflight.tables"}
+
+
+# Rooms: the planner (checkpointing/planner/) stands above the three strategies, and the plan at
+# the ground of checkpointing/ (plan, blocks, meter, wrap, compiled, head), offload/ and sharding/
+# never reach up to it; the benchmark room (launch/bench/) is reached only from launch/ (and the
+# tests), so the trainer and the GPU check never run a benchmark's code by accident.
+PLANNER, BENCH = "checkpointing.planner", "launch.bench"
+
+
+def imported_names(path, package: str) -> set[tuple[str, int]]:
+    """(dotted name, line) of every import in a file, function-local and type-only ones too;
+    relative ones resolved against `package`; `from pkg import mod` also gives pkg.mod."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {(alias.name, node.lineno) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[:len(parts) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add((module, node.lineno))
+            found |= {(f"{module}.{alias.name}", node.lineno) for alias in node.names}
+    return found
+
+
+def _inside(name: str, room: str) -> bool:
+    return name == room or name.startswith(room + ".")
+
+
+def room_violations(root) -> list[str]:
+    """Imports into a room from where it is closed: the planner from the ground of
+    checkpointing/ or from offload/ or sharding/; the benchmark room from outside launch/."""
+    wrong = []
+    for folder in PROJECT:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root)
+            package = ".".join(rel.parent.parts)
+            closed = [] if folder == "launch" else [BENCH]
+            if folder in ("offload", "sharding") or (folder == "checkpointing"
+                                                     and not _inside(package, PLANNER)):
+                closed.append(PLANNER)
+            crossing = {}  # line -> the shortest name it imports inside a closed room
+            for name, line in sorted(imported_names(path, package)):
+                if any(_inside(name, room) for room in closed):
+                    crossing.setdefault(line, name)
+            wrong += [f"{rel.as_posix()}:{line} imports {name}" for line, name in crossing.items()]
+    return wrong
+
+
+def test_the_ground_never_imports_the_planner_and_only_launch_imports_the_benchmarks() -> None:
+    assert (REPO / "checkpointing" / "planner" / "__init__.py").is_file()
+    assert (REPO / "launch" / "bench" / "__init__.py").is_file()
+    assert room_violations(REPO) == []
+
+
+def test_the_room_check_sees_a_planted_import(tmp_path) -> None:
+    files = {"checkpointing/wrap.py": "def f():\n    from checkpointing.planner.search import x\n",
+             "checkpointing/head.py": "from . import planner\n",
+             "checkpointing/planner/memory.py": "from checkpointing.planner import search\n"
+                                                "from .search import y\n",
+             "offload/apply.py": "if TYPE_CHECKING:\n    import checkpointing.planner.profile\n",
+             "sharding/fsdp.py": "from checkpointing.plan import BlockPlan\n",
+             "trainer/loop.py": "def g():\n    from launch.bench import plain\n",
+             "launch/gpu_bench.py": "from launch.bench.plain import main\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert sorted(room_violations(tmp_path)) == [
+        "checkpointing/head.py:1 imports checkpointing.planner",
+        "checkpointing/wrap.py:2 imports checkpointing.planner.search",
+        "offload/apply.py:2 imports checkpointing.planner.profile",
+        "trainer/loop.py:2 imports launch.bench"]
+
+
+# The documented benchmark commands of before the room, kept working by a forwarder each.
+FORWARDED = {"checkpointing.bench": "launch.bench", "checkpointing.head_bench": "launch.bench.head",
+             "trainer.data.bench": "launch.bench.data"}
+
+
+def test_a_benchmark_command_of_before_the_room_runs_its_new_home() -> None:
+    for old, new in FORWARDED.items():
+        forwarder = (REPO / old.replace(".", "/")).with_suffix(".py").read_text()
+        assert f'"-m", "{new}"' in forwarder and importlib.util.find_spec(new), old
+    done = subprocess.run([sys.executable, "-m", "checkpointing.bench", "--help"], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage: python -m launch.bench " in done.stdout, done.stderr
 
 
 def long_functions(path, limit: int = 80) -> list[str]:
