@@ -15,7 +15,7 @@ from trainer.data.demo import (chat_records, make_tokenizer, text_records, write
                              write_parquet)
 from trainer.config import ConfigError
 from trainer.data import tokenize_docs
-from trainer.data.chat import IGNORE, ChatError, chat_tokens
+from trainer.data.chat import IGNORE, chat_tokens
 from trainer.data.documents import text_datasets
 from trainer.data.packing import best_fit_bins, concat_windows
 from trainer.data.sources import DocSettings
@@ -63,20 +63,6 @@ def test_chat_masks_keep_only_the_assistant_turns(tok) -> None:
     assert tokenizer.decode([i for i, s in zip(ids_last, last) if s]) == (
         "packing boxes of liquor jugs<|im_end|>")
     assert all(chat_tokens(tokenizer, messages, "all")[1])
-
-
-def test_a_template_that_rewrites_earlier_turns_is_refused(tok, tmp_path) -> None:
-    from transformers import AutoTokenizer
-
-    # Numbers every turn from the end: a prefix of the conversation templates differently.
-    template = ("{% for m in messages %}<|im_start|>{{ messages|length - loop.index }} "
-                "{{ m['content'] }}<|im_end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>{% endif %}")
-    tokenizer = AutoTokenizer.from_pretrained(str(make_tokenizer(tmp_path / "t", template=template)))
-    messages = [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "dog"}]
-    with pytest.raises(ChatError, match="data.tokenizer: .*generation"):
-        chat_tokens(tokenizer, messages, "assistant")
-    assert all(chat_tokens(tokenizer, messages, "all")[1])  # train_on=all needs no spans
 
 
 def test_packed_windows_keep_every_supervised_token(tmp_path, tok) -> None:
@@ -188,5 +174,5 @@ def test_bad_chat_input_is_one_line(tmp_path, tok) -> None:
     with pytest.raises(ConfigError, match="data.path: .* is not a readable parquet file"):
         deep_check(config("data=text", f"data.path={broken}", f"data.tokenizer={tok[0]}"))
     wrong = write_jsonl(tmp_path / "w.jsonl", [{"conversation": []}])
-    with pytest.raises(ConfigError, match="data.messages_field: .* its fields: conversation"):
+    with pytest.raises(ConfigError, match="data.format: .* its fields: conversation"):
         deep_check(config("data=chat", f"data.path={wrong}", f"data.tokenizer={tok[0]}"))

@@ -104,6 +104,9 @@ class DataConfig:
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    # data=chat: the record shape: auto (each record's own) | messages | sharegpt | alpaca |
+    # prompt_completion (trainer/data/formats.py)
+    format: str = "auto"
     train_on: str = "assistant"  # data=chat: assistant | last | all
     packing: bool = True  # documents share windows (attention never crosses one)
     overlong: str = "truncate"  # data=chat: a conversation longer than seq_len: truncate | drop
@@ -294,6 +297,7 @@ CHOICES = {
     "model.arch": ("llama", "hf", "vit", "hf_vision", "timm"),
     "data.source": ("bytes", "tokens", "synthetic", "text", "chat", "images", "synthetic_images"),
     "data.train_on": ("assistant", "last", "all"),
+    "data.format": ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"),
     "checkpointing.head": ("plain", "chunked"),
     "data.overlong": ("truncate", "drop"),
     "data.token_dtype": ("uint16", "uint32"),

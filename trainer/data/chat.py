@@ -4,42 +4,31 @@
 template puts after it), `last` only the final assistant turn, `all` every token. Every other
 label is the ignore index (-100).
 
-Where the template marks assistant spans itself (`{% generation %}`), its mask is used. Other
-templates are read turn by turn: the conversation up to an assistant turn, templated with the
-generation prompt, must be an exact token prefix of the whole conversation, and so must the
-conversation through that turn; the tokens between the two are the turn. A template for which
-that does not hold (one that rewrites earlier turns, say) cannot say which tokens are the
-assistant's, and is refused in one line.
+Which tokens are a turn's is found in the first of three ways that holds:
+1. the template marks assistant spans itself (`{% generation %}`): its mask;
+2. the conversation up to an assistant turn, templated with the generation prompt, is an exact
+   token prefix of the whole, and so is the conversation through that turn: the tokens between
+   the two, up to the turn's last eos;
+3. any template that renders each message's content verbatim (or trimmed): the conversation is
+   rendered as text, each assistant message's content found in it in order, and mapped to tokens
+   with the fast tokenizer's offsets; the turn's end marker is what follows the content up to and
+   including the first special token (e.g. `</s>`, `<|eot_id|>`, `<end_of_turn>`).
+1 and 2 are what tokenizers that merge across a turn's boundary (SentencePiece `[INST]`
+templates) fail; 3 is the fallback. Every conversation's spans are checked before they are used
+(trainer/data/chat_check.py): each turn's tokens decode to its content plus its end marker. A
+mask from 1 or 2 that fails the check is not used (3 is); where 3 cannot find a content in the
+rendered text, the record is refused in one line naming it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Optional, Sequence
+
+from trainer.data.chat_check import (ChatError, Rendered, render, turn_end, turn_problem,
+                                     turn_start, turns_located)
 
 IGNORE = -100  # the label of a token the loss skips (torch's cross_entropy default)
 TRAIN_ON = ("assistant", "last", "all")
-
-
-class ChatError(ValueError):
-    """A record or template the chat data cannot use; the message names the setting."""
-
-
-def messages_of(record: Mapping[str, Any], messages_field: str, prompt_field: str,
-                completion_field: str) -> list[dict]:
-    """The conversation of a record: its `messages` list, or a prompt/completion pair as one
-    user and one assistant turn."""
-    if messages_field in record and record[messages_field] is not None:
-        messages = record[messages_field]
-        if not isinstance(messages, list) or not all(
-                isinstance(m, Mapping) and "role" in m and "content" in m for m in messages):
-            raise ChatError(f"data.messages_field: {messages_field!r} must be a list of "
-                            "{role, content} turns")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-    if prompt_field in record and completion_field in record:
-        return [{"role": "user", "content": record[prompt_field]},
-                {"role": "assistant", "content": record[completion_field]}]
-    raise ChatError(f"data.messages_field: a record has neither {messages_field!r} nor "
-                    f"{prompt_field!r}/{completion_field!r}; its fields: {', '.join(record)}")
 
 
 def _ids(tokenizer, messages: Sequence[dict], generation_prompt: bool) -> list[int]:
@@ -49,18 +38,21 @@ def _ids(tokenizer, messages: Sequence[dict], generation_prompt: bool) -> list[i
     return list(out["input_ids"])
 
 
-def _marked_spans(tokenizer, messages: Sequence[dict]) -> Optional[tuple[list[int], list[int]]]:
-    """(ids, assistant mask) from a template with `{% generation %}` markers, else None."""
+def _marked_spans(tokenizer, messages: Sequence[dict]):
+    """(ids, assistant spans) from a template with `{% generation %}` markers, else None."""
     template = tokenizer.chat_template or ""
     if "{% generation %}" not in template and "{%- generation %}" not in template:
         return None
     out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
-    return list(out["input_ids"]), list(out["assistant_masks"])
+    return list(out["input_ids"]), _runs([bool(m) for m in out["assistant_masks"]])
 
 
-def _turn_spans(tokenizer, messages: Sequence[dict], ids: list[int]) -> list[tuple[int, int]]:
-    """[start, end) token spans of each assistant turn, by templated prefixes."""
+def _prefix_spans(tokenizer, messages: Sequence[dict]):
+    """(ids, assistant spans) by templated prefixes, else None (a prefix of the conversation
+    is not a token prefix of the whole)."""
+    ids = _ids(tokenizer, messages, generation_prompt=False)
+    end_ids = {i for i in (tokenizer.eos_token_id,) if i is not None}
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -68,13 +60,9 @@ def _turn_spans(tokenizer, messages: Sequence[dict], ids: list[int]) -> list[tup
         before = _ids(tokenizer, messages[:k], generation_prompt=True)
         through = _ids(tokenizer, messages[:k + 1], generation_prompt=False)
         if ids[:len(before)] != before or ids[:len(through)] != through:
-            raise ChatError(
-                "data.tokenizer: its chat template does not template a conversation as the "
-                "sum of its turns (a prefix of the conversation is not a token prefix of the "
-                "whole), so the assistant's tokens cannot be told apart; use a template with "
-                "{% generation %} markers, or data.train_on=all")
-        spans.append((len(before), len(through)))
-    return spans
+            return None
+        spans.append((len(before), _trim_after_end(ids, len(before), len(through), end_ids)))
+    return ids, spans
 
 
 def _trim_after_end(ids: list[int], start: int, end: int, end_ids: set[int]) -> int:
@@ -86,27 +74,67 @@ def _trim_after_end(ids: list[int], start: int, end: int, end_ids: set[int]) -> 
     return end
 
 
-def chat_tokens(tokenizer, messages: Sequence[dict], train_on: str) -> tuple[list[int], list[bool]]:
-    """(token ids, supervised per token) of one conversation."""
+def _offset_spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int],
+                  where: str) -> list[Optional[tuple[int, int]]]:
+    """Each assistant turn's [start, end) tokens from where its content is in the rendered
+    text; None for a turn not found (refused when `needed`, unless it is empty)."""
+    contents = [m["content"] for m in messages if m["role"] == "assistant"]
+    places = turns_located(tokenizer, messages, shown.text)
+    spans: list[Optional[tuple[int, int]]] = []
+    for k, place in enumerate(places):
+        if place is None:
+            if k in needed and contents[k].strip():
+                raise ChatError(
+                    f"data.tokenizer: its chat template does not render assistant turn {k + 1} "
+                    f"of {where} ({contents[k][:40]!r}) as it is, so its tokens cannot be "
+                    "found; fix the record or the template, or set data.train_on=all")
+            spans.append(None)
+            continue
+        later = [p for p in places[k + 1:] if p is not None]
+        bound = later[0][0] if later else len(shown.text)
+        start = turn_start(shown, place)
+        spans.append((start, turn_end(shown, start, place[1], bound)[0]))
+    return spans
+
+
+def _spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int],
+           where: str) -> list[Optional[tuple[int, int]]]:
+    """The spans of the first way that holds and whose `needed` turns pass the check."""
+    contents = [m["content"] for m in messages if m["role"] == "assistant"]
+    for way in (_marked_spans, _prefix_spans):
+        got = way(tokenizer, messages)
+        if got is None or got[0] != shown.ids or len(got[1]) != len(contents):
+            continue
+        if turn_problem(tokenizer, shown, [got[1][k] for k in sorted(needed)],
+                        [contents[k] for k in sorted(needed)]) is None:
+            return list(got[1])
+    spans = _offset_spans(tokenizer, messages, shown, needed, where)
+    checked = [k for k in sorted(needed) if spans[k] is not None]
+    problem = turn_problem(tokenizer, shown, [spans[k] for k in checked],
+                           [contents[k] for k in checked])
+    if problem is not None:
+        raise ChatError(f"data.tokenizer: the assistant tokens of {where} do not decode to "
+                        f"its text ({problem}); set data.train_on=all")
+    return spans
+
+
+def chat_tokens(tokenizer, messages: Sequence[dict], train_on: str,
+                where: str = "a conversation") -> tuple[list[int], list[bool]]:
+    """(token ids, supervised per token) of one conversation; `where` names it in errors."""
     if train_on == "all":
         ids = _ids(tokenizer, messages, generation_prompt=False)
         return ids, [True] * len(ids)
-    marked = _marked_spans(tokenizer, messages)
-    if marked is not None:
-        ids, mask = marked
-        supervised = [bool(m) for m in mask]
-        spans = _runs(supervised)
-    else:
-        ids = _ids(tokenizer, messages, generation_prompt=False)
-        end_ids = {i for i in (tokenizer.eos_token_id,) if i is not None}
-        spans = [(s, _trim_after_end(ids, s, e, end_ids))
-                 for s, e in _turn_spans(tokenizer, messages, ids)]
-    if train_on == "last":
-        spans = spans[-1:]
-    supervised = [False] * len(ids)
-    for start, end in spans:
-        supervised[start:end] = [True] * (end - start)
-    return ids, supervised
+    shown = render(tokenizer, messages)
+    turns = sum(1 for m in messages if m["role"] == "assistant")
+    # train_on=last learns only the final turn, so only it need be found and checked.
+    needed = set(range(turns)) if train_on == "assistant" else {turns - 1} - {-1}
+    spans = _spans(tokenizer, messages, shown, needed, where) if turns else []
+    supervised = [False] * len(shown.ids)
+    for k in needed:
+        if spans[k] is not None:
+            start, end = spans[k]
+            supervised[start:end] = [True] * (end - start)
+    return list(shown.ids), supervised
 
 
 def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:

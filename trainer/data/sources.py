@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainer.data.chat import ChatError, check_template
+from trainer.data.formats import FormatError, check_field_names
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -28,6 +29,7 @@ class DocSettings:
     overlong: str = "truncate"
     split: str = "train"
     val_fraction: float = 0.01
+    format: str = "auto"  # chat: the record shape (trainer/data/formats.py)
 
 
 class DataError(ValueError):
@@ -147,15 +149,16 @@ def check_fields(names: list[str], settings: DocSettings, path: str) -> None:
     if settings.kind == "text" and settings.text_field not in names:
         raise DataError(f"data.text_field: {path} has no field {settings.text_field!r}; its "
                         f"fields: {', '.join(names)}")
-    if settings.kind == "chat" and settings.messages_field not in names and not (
-            settings.prompt_field in names and settings.completion_field in names):
-        raise DataError(f"data.messages_field: {path} has neither {settings.messages_field!r} "
-                        f"nor {settings.prompt_field!r}/{settings.completion_field!r}; its "
-                        f"fields: {', '.join(names)}")
+    if settings.kind == "chat":
+        try:
+            check_field_names(names, settings.format, settings.messages_field,
+                              settings.prompt_field, settings.completion_field, path)
+        except FormatError as exc:
+            raise DataError(str(exc)) from None
 
 
 def document_settings(d) -> DocSettings:
     """The DocSettings of a DataConfig (data=text / chat)."""
     return DocSettings(d.source, d.seq_len, d.packing, d.text_field, d.messages_field,
                        d.prompt_field, d.completion_field, d.train_on, d.overlong, d.split,
-                       d.val_fraction)
+                       d.val_fraction, d.format)

@@ -18,7 +18,8 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from trainer.data.chat import IGNORE, ChatError, chat_tokens, messages_of
+from trainer.data.chat import IGNORE, ChatError, chat_tokens
+from trainer.data.formats import FormatError, conversation, record_name
 from trainer.data.packing import best_fit_bins, bin_window, concat_windows, fit_length
 from trainer.data.sources import DataError, DocSettings, open_documents
 
@@ -98,12 +99,13 @@ class StreamWindows:
                 ids = list(self.tokenizer(text)["input_ids"]) + [self.tokenizer.eos_token_id]
                 supervised = [True] * len(ids)
             else:
+                where = record_name(self.path, None, record)
                 try:
-                    messages = messages_of(record, s.messages_field, s.prompt_field,
-                                           s.completion_field)
-                except ChatError as exc:
+                    messages = conversation(record, s.format, s.messages_field, s.prompt_field,
+                                            s.completion_field, where)
+                    ids, supervised = chat_tokens(self.tokenizer, messages, s.train_on, where)
+                except (ChatError, FormatError) as exc:
                     raise DataError(str(exc)) from None
-                ids, supervised = chat_tokens(self.tokenizer, messages, s.train_on)
             if len(ids) >= 2 and (s.kind == "text" or any(supervised[1:])):
                 yield np.asarray(ids, dtype=np.int64), np.asarray(supervised, dtype=bool)
 

@@ -11,7 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from trainer.data.chat import ChatError, chat_tokens, messages_of
+from trainer.data.chat import ChatError, chat_tokens
+from trainer.data.formats import FormatError, conversation, record_name
 from trainer.data.packing import (best_fit_bins, bin_window, concat_count, concat_windows,
                                   fit_length, write_windows)
 from trainer.data.sources import DataError, DocSettings, check_fields, open_documents
@@ -52,36 +53,38 @@ def _text_batch(tokenizer, settings: DocSettings, eos: int):
     return encode
 
 
-def _chat_batch(tokenizer, settings: DocSettings):
-    def encode(batch: dict) -> dict:
+def _chat_batch(tokenizer, settings: DocSettings, path: str):
+    def encode(batch: dict, indices: list[int]) -> dict:
         records = [dict(zip(batch, values)) for values in zip(*batch.values())]
         ids, sup = [], []
-        for record in records:
+        for index, record in zip(indices, records):
+            where = record_name(path, index, record)
             try:
-                messages = messages_of(record, settings.messages_field, settings.prompt_field,
-                                       settings.completion_field)
-            except ChatError as exc:
+                messages = conversation(record, settings.format, settings.messages_field,
+                                        settings.prompt_field, settings.completion_field, where)
+                tokens, supervised = chat_tokens(tokenizer, messages, settings.train_on, where)
+            except (ChatError, FormatError) as exc:
                 raise DataError(str(exc)) from None
-            tokens, supervised = chat_tokens(tokenizer, messages, settings.train_on)
             ids.append(tokens)
             sup.append(supervised)
         return {"ids": ids, "sup": sup}
     return encode
 
 
-def tokenize(records, tokenizer, settings: DocSettings, progress: _Progress):
-    """The records as documents: `ids`, `sup` (supervised per token) and `length` columns."""
+def tokenize(records, tokenizer, settings: DocSettings, progress: _Progress, path: str):
+    """The records as documents: `ids`, `sup` (supervised per token) and `length` columns;
+    `path` names a bad record's source."""
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    encode = (_text_batch(tokenizer, settings, eos) if settings.kind == "text"
-              else _chat_batch(tokenizer, settings))
+    text = _text_batch(tokenizer, settings, eos) if settings.kind == "text" else None
+    chat = _chat_batch(tokenizer, settings, path) if settings.kind == "chat" else None
 
-    def encode_and_count(batch: dict) -> dict:
-        out = encode(batch)
+    def encode_and_count(batch: dict, indices: list[int]) -> dict:
+        out = text(batch) if text is not None else chat(batch, indices)
         out["length"] = [len(x) for x in out["ids"]]
         progress.update(len(out["ids"]), sum(out["length"]))
         return out
 
-    return records.map(encode_and_count, batched=True, batch_size=256,
+    return records.map(encode_and_count, batched=True, batch_size=256, with_indices=True,
                        remove_columns=records.column_names, load_from_cache_file=False,
                        keep_in_memory=False)
 
@@ -109,7 +112,8 @@ def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
                      path if split == "train" else val_path)
         progress = _Progress(len(records))
         try:
-            tokenized = tokenize(records, tokenizer, settings, progress)
+            tokenized = tokenize(records, tokenizer, settings, progress,
+                                 path if split == "train" else val_path)
         except UnicodeDecodeError as exc:
             raise DataError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte "
                             f"{exc.start})") from None
