@@ -74,11 +74,11 @@ def test_each_turn_decodes_to_its_content_and_end_marker(tokenizers, shape) -> N
     assert decoded_runs(tokenizer, ids, last) == spans[-1:]
     assert ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
     # Which way found them: generation marks, else exact prefixes, else offsets.
+    shown = render(tokenizer, messages)
     marked = chat._marked_spans(tokenizer, messages)
-    prefixed = chat._prefix_spans(tokenizer, messages)
+    prefixed = chat._prefix_spans(tokenizer, messages, shown.ids)
     assert way == ("marks" if marked else "prefix" if prefixed else "offsets")
     # The offsets way alone finds every turn in every shape.
-    shown = render(tokenizer, messages)
     offsets = chat._offset_spans(tokenizer, messages, shown, {0, 1}, "a conversation")
     mask = [False] * len(shown.ids)
     for start, end in offsets:
@@ -90,7 +90,7 @@ def test_a_sentencepiece_template_refused_before_is_masked_now(tokenizers) -> No
     """Mistral's `[/INST]` joined to the reply: the exact-prefix way fails (the old refusal),
     and no prompt token but the merged first one is learned."""
     tokenizer = tokenizers["mistral"]
-    assert chat._prefix_spans(tokenizer, TALK) is None
+    assert chat._prefix_spans(tokenizer, TALK, render(tokenizer, TALK).ids) is None
     ids, supervised = chat_tokens(tokenizer, TALK, "assistant")
     ignored = tokenizer.decode([i for i, s in zip(ids, supervised) if not s],
                                skip_special_tokens=False)
@@ -134,7 +134,7 @@ def test_a_template_that_rewrites_earlier_turns_is_read_from_offsets(tmp_path) -
     tokenizer = AutoTokenizer.from_pretrained(
         str(make_shaped_tokenizer(tmp_path / "t", "chatml")))
     tokenizer.chat_template = template
-    assert chat._prefix_spans(tokenizer, TALK) is None
+    assert chat._prefix_spans(tokenizer, TALK, render(tokenizer, TALK).ids) is None
     ids, supervised = chat_tokens(tokenizer, TALK, "assistant")
     # The template's space before a reply is in the reply's first byte-level token (" seven").
     assert decoded_runs(tokenizer, ids, supervised) == [
@@ -166,3 +166,16 @@ def test_an_empty_reply_learns_its_end_marker(tokenizers) -> None:
                 {"role": "user", "content": "dog"}, {"role": "assistant", "content": "seven"}]
     ids, supervised = chat_tokens(tokenizer, messages, "assistant")
     assert decoded_runs(tokenizer, ids, supervised) == ["<|end|>", "seven<|end|>"]
+
+
+@pytest.mark.parametrize("shape, learned", [
+    ("llama3", "seven wizards<|eot_id|>"),  # trims contents; the prefix way
+    # renders them as they are; the offsets way (a SentencePiece decode drops one first space)
+    ("phi3", " seven wizards\n<|end|>"),
+])
+def test_a_reply_with_spaces_around_is_found_as_rendered(tokenizers, shape, learned) -> None:
+    tokenizer = tokenizers[shape]
+    messages = [{"role": "user", "content": "fox"},
+                {"role": "assistant", "content": "  seven wizards\n"}]
+    ids, supervised = chat_tokens(tokenizer, messages, "assistant")
+    assert decoded_runs(tokenizer, ids, supervised) == [learned]

@@ -48,10 +48,9 @@ def _marked_spans(tokenizer, messages: Sequence[dict]):
     return list(out["input_ids"]), _runs([bool(m) for m in out["assistant_masks"]])
 
 
-def _prefix_spans(tokenizer, messages: Sequence[dict]):
-    """(ids, assistant spans) by templated prefixes, else None (a prefix of the conversation
-    is not a token prefix of the whole)."""
-    ids = _ids(tokenizer, messages, generation_prompt=False)
+def _prefix_spans(tokenizer, messages: Sequence[dict], ids: list[int]):
+    """(ids, assistant spans) by templated prefixes of the conversation whose tokens are `ids`,
+    else None (a prefix of the conversation is not a token prefix of the whole)."""
     end_ids = {i for i in (tokenizer.eos_token_id,) if i is not None}
     spans = []
     for k, message in enumerate(messages):
@@ -101,8 +100,9 @@ def _spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int
            where: str) -> list[Optional[tuple[int, int]]]:
     """The spans of the first way that holds and whose `needed` turns pass the check."""
     contents = [m["content"] for m in messages if m["role"] == "assistant"]
-    for way in (_marked_spans, _prefix_spans):
-        got = way(tokenizer, messages)
+    for way in (lambda: _marked_spans(tokenizer, messages),
+                lambda: _prefix_spans(tokenizer, messages, shown.ids)):
+        got = way()
         if got is None or got[0] != shown.ids or len(got[1]) != len(contents):
             continue
         if turn_problem(tokenizer, shown, [got[1][k] for k in sorted(needed)],
