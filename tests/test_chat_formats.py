@@ -60,8 +60,8 @@ def test_alpaca_input_follows_the_instruction() -> None:
      r"turns are from human, user, gpt, assistant, system"),
     ({"messages": [{"speaker": "x"}]}, r"turn 1 of 'messages' is not a \{role, content\} or "
      r"\{from, value\} turn \(speaker\)"),
-    ({"messages": "fox"}, r"'messages' is a str, not a list of turns"),
-    ({"prompt": "fox", "completion": 3}, r"turn 2's content is a int, not text"),
+    ({"messages": "fox"}, r"'messages' is not a list of turns but str"),
+    ({"prompt": "fox", "completion": 3}, r"turn 2's content is not text but int"),
 ])
 def test_a_record_in_no_shape_is_one_line(record, says) -> None:
     with pytest.raises(FormatError, match=says):

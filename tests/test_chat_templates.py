@@ -179,3 +179,17 @@ def test_a_reply_with_spaces_around_is_found_as_rendered(tokenizers, shape, lear
                 {"role": "assistant", "content": "  seven wizards\n"}]
     ids, supervised = chat_tokens(tokenizer, messages, "assistant")
     assert decoded_runs(tokenizer, ids, supervised) == [learned]
+
+
+def test_text_the_tokenizer_normalises_is_compared_normalised(tmp_path) -> None:
+    """An NFC normalizer (as Qwen2's) decodes a decomposed é composed: still the turn's text."""
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(make_shaped_tokenizer(tmp_path / "t", "chatml")))
+    tokenizer.backend_tokenizer.normalizer = normalizers.NFC()
+    messages = [{"role": "user", "content": "fox"},
+                {"role": "assistant", "content": "cafe\u0301 wizards"}]
+    ids, supervised = chat_tokens(tokenizer, messages, "assistant")
+    assert decoded_runs(tokenizer, ids, supervised) == ["caf\u00e9 wizards<|im_end|>"]

@@ -6,11 +6,14 @@ inside the turn's first token, and the turn's tokens decode to the rendered text
 to the end marker: the content, then what follows it up to and including the first special token
 (`</s>`, `<|im_end|>`, `<|eot_id|>`, ...), none where no special token comes before the next
 assistant turn. Decoded and rendered text are compared exactly (special tokens included, spaces
-not cleaned up) except for whitespace at either end: SentencePiece decoders drop the space that
-begins a first token, and a `{% generation %}` block may hold the newline after the end marker.
-Where the tokenizer merges template text into the turn's first token (`fox [/INST] seven` as
-one token), those characters are in the rendered text the turn is compared with: the token is
-learned whole, as transformers' own assistant masks do.
+not cleaned up) except for whitespace at either end (SentencePiece decoders drop the space that
+begins a first token, and a `{% generation %}` block may hold the newline after the end marker)
+and for what the tokenizer's own normalizer changes (Qwen2's NFC, say): text it normalises is
+compared normalised.
+Where the tokenizer merges template text into the turn's first token (`[/INST]seven` as one
+SentencePiece piece, ` seven` as one byte-level token after a template's space), those characters
+are in the rendered text the turn is compared with: the token is learned whole, as transformers'
+own assistant masks do.
 """
 
 from __future__ import annotations
@@ -106,9 +109,20 @@ def turn_problem(tokenizer, shown: Rendered, spans: Sequence[tuple[int, int]],
         expected = shown.text[first_begin:marker_end]
         decoded = tokenizer.decode(shown.ids[start:end], skip_special_tokens=False,
                                    clean_up_tokenization_spaces=False)
-        if decoded.strip() != expected.strip():
+        if not _same_text(tokenizer, decoded, expected):
             return f"assistant turn {k + 1} decodes to {decoded[:80]!r}, not {expected[:80]!r}"
     return None
+
+
+def _same_text(tokenizer, decoded: str, rendered: str) -> bool:
+    """Equal but for whitespace at either end, and for what the tokenizer's normalizer does."""
+    decoded, rendered = decoded.strip(), rendered.strip()
+    if decoded == rendered:
+        return True
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    return normalizer is not None and (normalizer.normalize_str(decoded)
+                                       == normalizer.normalize_str(rendered))
 
 
 def turns_located(tokenizer, messages: Sequence[dict], text: str) -> list:

@@ -66,8 +66,8 @@ def conversation(record: Mapping[str, Any], fmt: str, messages_field: str, promp
             bad = next((k for k, t in enumerate(turns) if not isinstance(t["content"], str)),
                        None)
             if bad is not None:
-                raise FormatError(f"data.format: {where}: turn {bad + 1}'s content is a "
-                                  f"{type(turns[bad]['content']).__name__}, not text")
+                raise FormatError(f"data.format: {where}: turn {bad + 1}'s content is not "
+                                  f"text but {type(turns[bad]['content']).__name__}")
             return turns
     found = [k for k, v in record.items() if v is not None]
     raise FormatError(f"data.format: {where} is not chat data of data.format={fmt} (fields "
@@ -91,8 +91,8 @@ def _read(name: str, record: Mapping[str, Any], fields: tuple[str, ...], where: 
 def _turns(turns: Any, field: str, where: str) -> list[dict]:
     """{role, content} turns as they are; ShareGPT's {from, value} with roles mapped."""
     if not isinstance(turns, list):
-        raise FormatError(f"data.format: {where}: {field!r} is a {type(turns).__name__}, not a "
-                          "list of turns")
+        raise FormatError(f"data.format: {where}: {field!r} is not a list of turns but "
+                          f"{type(turns).__name__}")
     out = []
     for k, turn in enumerate(turns):
         out.append(_turn(turn, k, field, where))
