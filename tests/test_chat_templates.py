@@ -4,6 +4,8 @@ supervised tokens decode to exactly its content and end marker, whichever way th
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from trainer.data import chat
@@ -193,3 +195,24 @@ def test_text_the_tokenizer_normalises_is_compared_normalised(tmp_path) -> None:
                 {"role": "assistant", "content": "cafe\u0301 wizards"}]
     ids, supervised = chat_tokens(tokenizer, messages, "assistant")
     assert decoded_runs(tokenizer, ids, supervised) == ["caf\u00e9 wizards<|im_end|>"]
+
+
+def test_a_tokenizer_without_offsets_keeps_the_ways_it_had(tokenizers) -> None:
+    """A Python tokenizer (no character offsets): marks and prefixes, unchecked, as before; a
+    template neither holds for is refused in one line."""
+    def without_offsets(tokenizer):
+        fast = type(tokenizer)
+
+        def call(self, *args, return_offsets_mapping=False, **kwargs):
+            if return_offsets_mapping:
+                raise NotImplementedError("a Python tokenizer")
+            return fast.__call__(self, *args, **kwargs)
+        tokenizer.__class__ = type("Python", (fast,), {"__call__": call})
+        return tokenizer
+
+    llama3 = without_offsets(copy.deepcopy(tokenizers["llama3"]))
+    assert render(llama3, TALK).offsets is None
+    ids, supervised = chat_tokens(llama3, TALK, "assistant")
+    assert decoded_runs(llama3, ids, supervised) == EXPECTED["llama3"][0]
+    with pytest.raises(ChatError, match="data.tokenizer: .* no fast tokenizer"):
+        chat_tokens(without_offsets(copy.deepcopy(tokenizers["mistral"])), TALK, "assistant")

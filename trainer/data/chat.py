@@ -105,9 +105,16 @@ def _spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int
         got = way()
         if got is None or got[0] != shown.ids or len(got[1]) != len(contents):
             continue
-        if turn_problem(tokenizer, shown, [got[1][k] for k in sorted(needed)],
-                        [contents[k] for k in sorted(needed)]) is None:
+        if shown.offsets is None or turn_problem(
+                tokenizer, shown, [got[1][k] for k in sorted(needed)],
+                [contents[k] for k in sorted(needed)]) is None:
             return list(got[1])
+    if shown.offsets is None:
+        raise ChatError(
+            "data.tokenizer: its chat template does not template a conversation as the sum of "
+            "its turns (a prefix of the conversation is not a token prefix of the whole), and "
+            "it is no fast tokenizer, whose offsets would find the assistant's tokens; use a "
+            "template with {% generation %} markers, or data.train_on=all")
     spans = _offset_spans(tokenizer, messages, shown, needed, where)
     checked = [k for k in sorted(needed) if spans[k] is not None]
     problem = turn_problem(tokenizer, shown, [spans[k] for k in checked],

@@ -31,15 +31,16 @@ class Rendered:
     """A conversation as the template renders it, and its tokens with their characters."""
     text: str
     ids: list[int]
-    offsets: list[tuple[int, int]]
+    offsets: Optional[list[tuple[int, int]]]  # None: a tokenizer without offsets (not fast)
     specials: frozenset[int]
 
 
 def special_ids(tokenizer) -> frozenset[int]:
-    """The ids that can end a turn: the special tokens (eos, end-of-turn, ...)."""
+    """The ids that can end a turn: the special tokens (eos, end-of-turn, ...), not unk."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return frozenset(set(tokenizer.all_special_ids)
-                     | {i for i, token in added.items() if getattr(token, "special", False)})
+    return frozenset((set(tokenizer.all_special_ids)
+                      | {i for i, token in added.items() if getattr(token, "special", False)})
+                     - {tokenizer.unk_token_id})
 
 
 def render(tokenizer, messages: Sequence[dict]) -> Rendered:
@@ -48,11 +49,10 @@ def render(tokenizer, messages: Sequence[dict]) -> Rendered:
     text = tokenizer.apply_chat_template(list(messages), tokenize=False)
     try:
         out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError:
-        raise ChatError("data.tokenizer: assistant masks need a fast tokenizer (one with "
-                        "character offsets); set data.train_on=all") from None
-    return Rendered(text, list(out["input_ids"]), [tuple(o) for o in out["offset_mapping"]],
-                    special_ids(tokenizer))
+        offsets = [tuple(o) for o in out["offset_mapping"]]
+    except NotImplementedError:  # a Python tokenizer has no offsets
+        out, offsets = tokenizer(text, add_special_tokens=False), None
+    return Rendered(text, list(out["input_ids"]), offsets, special_ids(tokenizer))
 
 
 def find_content(text: str, content: str, start: int,
