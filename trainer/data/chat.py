@@ -17,7 +17,8 @@ Which tokens are a turn's is found in the first of three ways that holds:
 templates) fail; 3 is the fallback. Every conversation's spans are checked before they are used
 (trainer/data/chat_check.py): each turn's tokens decode to its content plus its end marker. A
 mask from 1 or 2 that fails the check is not used (3 is); where 3 cannot find a content in the
-rendered text, the record is refused in one line naming it.
+rendered text, the record is refused in one line naming it. A tokenizer without character
+offsets (not a fast one) has 1 and 2 only, unchecked, as before.
 """
 
 from __future__ import annotations
