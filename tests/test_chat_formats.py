@@ -15,7 +15,7 @@ from trainer.data.demo import chat_records, make_tokenizer, write_jsonl
 from trainer.data.documents import text_datasets
 from trainer.data.formats import FORMATS, FormatError, conversation
 from trainer.data.sources import DataError, DocSettings
-from trainer.fit.precheck import deep_check
+from trainer.preflight.precheck import deep_check
 
 FIELDS = ("messages", "prompt", "completion")
 TURNS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "fox"},
