@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing.head import chunked_linear_cross_entropy
-from trainer.models.packing import (DocumentMask, check_positions, choose_backend,
+from trainer.models.doc_attention import (DocumentMask, check_positions, choose_backend,
                                     document_mask, masked_attention)
 from trainer.models.rope import Rope, apply_rope, rope_at, rope_cos_sin  # noqa: F401 (tests)
 
@@ -48,7 +48,7 @@ class LlamaArgs:
     dropout: float = 0.0
     tie_embeddings: bool = False
     # Packed batches only: "auto" (FlexAttention on CUDA, an SDPA boolean mask elsewhere),
-    # "sdpa" or "flex"; see trainer/models/packing.py.
+    # "sdpa" or "flex"; see trainer/models/doc_attention.py.
     packed_attention: str = "auto"
 
     def __post_init__(self) -> None:
