@@ -29,18 +29,7 @@ from typing import Optional, Union
 
 import torch
 
-DEFAULT_BUDGET_BYTES = 256 * 2**20  # fp32 logits of one chunk
 OP_NAME = "blocktrain::chunked_linear_cross_entropy"
-
-
-def default_chunk_tokens(vocab: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> int:
-    """The most tokens whose fp32 logits ([tokens, vocab]) fit `budget_bytes`; at least 1.
-
-    The chunk's working set is then the budget for an fp32 head, 1.5 times it for bf16 (the fp32
-    logits and their gradient cast to bf16)."""
-    if vocab <= 0 or budget_bytes <= 0:
-        raise ValueError(f"vocab ({vocab}) and budget_bytes ({budget_bytes}) must be positive")
-    return max(1, budget_bytes // (vocab * 4))
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,

@@ -106,6 +106,22 @@ def plan_from_json(text: str) -> list[BlockPlan]:
     return [BlockPlan(**r) for r in block_rows(json.loads(text))]
 
 
+# The loss head's default budget: fp32 logits of one chunk (checkpointing.head_budget_mib's 256).
+DEFAULT_HEAD_BUDGET_BYTES = 256 * 2**20
+
+
+def default_chunk_tokens(vocab: int, budget_bytes: int = DEFAULT_HEAD_BUDGET_BYTES) -> int:
+    """Tokens per chunk of the fused chunked head (checkpointing/head.py): the most whose fp32
+    logits ([tokens, vocab]) fit `budget_bytes`; at least 1. Here, without torch, so the
+    trainer's task and the head share one formula.
+
+    The chunk's working set is then the budget for an fp32 head, 1.5 times it for bf16 (the fp32
+    logits and their gradient cast to bf16)."""
+    if vocab <= 0 or budget_bytes <= 0:
+        raise ValueError(f"vocab ({vocab}) and budget_bytes ({budget_bytes}) must be positive")
+    return max(1, budget_bytes // (vocab * 4))
+
+
 def head_row(head: str, chunk_tokens: Optional[int]) -> dict:
     """The loss head's row of the plan (table, plan.json, W&B)."""
     return {"name": "head", "head": head, "chunk_tokens": chunk_tokens}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from trainer.build import llama_args
 from trainer.cli import compose
 from trainer.config import Config
+from trainer.models.families.llama import llama_args
 from trainer.models.llama import LlamaArgs
 
 

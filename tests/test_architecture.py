@@ -265,3 +265,53 @@ def test_the_step_loop_fits_on_a_screen() -> None:
     steps = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_steps")
     loops = [n for n in ast.walk(steps) if isinstance(n, ast.While)]
     assert len(loops) == 1 and loops[0].end_lineno - loops[0].lineno <= 40
+
+
+# Only the model families (and their registry) look at `model.arch`: everything else asks the
+# family, so adding one is its module, its YAML and its tests.
+FAMILY_HOME = REPO / "trainer" / "models" / "families"
+
+
+def _reads_arch(node: ast.AST) -> bool:
+    """`x.arch`, `x.get("arch")` or `x["arch"]`."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "arch"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return (node.func.attr == "get" and bool(node.args)
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value == "arch")
+    return (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+            and node.slice.value == "arch")
+
+
+def arch_tests(path) -> list[int]:
+    """The lines where a file decides by the arch: a comparison, a match or a table lookup on
+    it, or the old list of image architectures."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Compare):
+            hit = any(_reads_arch(n) for n in (node.left, *node.comparators))
+        elif isinstance(node, ast.Match):
+            hit = _reads_arch(node.subject)
+        elif isinstance(node, ast.Subscript):
+            hit = _reads_arch(node.slice)
+        else:
+            hit = (isinstance(node, ast.Name) and node.id == "IMAGE_ARCHS"
+                   or isinstance(node, ast.Attribute) and node.attr == "IMAGE_ARCHS")
+        if hit:
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_only_the_model_families_look_at_the_arch() -> None:
+    paths = [p for folder in PROJECT for p in sorted((REPO / folder).rglob("*.py"))
+             if FAMILY_HOME not in p.parents]
+    assert [f"{p.relative_to(REPO)}:{line}" for p in paths for line in arch_tests(p)] == []
+
+
+def test_the_arch_check_sees_each_way_of_deciding(tmp_path) -> None:
+    sample = tmp_path / "x.py"
+    sample.write_text("if cfg.model.arch == 'hf':\n    pass\nimage = m.arch in IMAGE_ARCHS\n"
+                      "same = saved.get('arch') != 'vit'\nmatch m.arch:\n    case 'vit':\n"
+                      "        pass\nbuild = TABLE[m.arch]\nname = f'{m.arch}'\n"
+                      "family = family_of(cfg.model)\n")
+    assert arch_tests(sample) == [1, 3, 3, 4, 5, 8]

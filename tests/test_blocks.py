@@ -11,7 +11,7 @@ from checkpointing.blocks import find_blocks
 from checkpointing.plan import make_plan
 from tests.dist import spawn
 from tests.helpers import config
-from trainer.build import build_llama_on_meta, materialize
+from trainer.build import build_on_meta, materialize
 from sharding.fsdp import apply_fsdp, build_mesh, mixed_precision
 
 
@@ -49,7 +49,7 @@ def test_find_blocks_default_and_pattern() -> None:
     assert all(isinstance(m, MixerLayer) for _, m in found)
     # The largest repeated container wins over smaller ones (the MLP inside each layer).
     assert [n for n, _ in find_blocks(toy, "stages.*")] == ["stages.0", "stages.1", "stages.2"]
-    llama = build_llama_on_meta(config().model)
+    llama = build_on_meta(config().model)
     assert [n for n, _ in find_blocks(llama)] == [f"layers.{i}" for i in range(4)]
     with pytest.raises(ValueError, match="model.block_pattern"):
         find_blocks(toy, "decoder.*")
@@ -100,7 +100,7 @@ def test_non_llama_model_is_sharded_per_block_and_matches_single_process() -> No
 
 def _llama_full_weights(rank: int, world_size: int, mode: str):
     cfg = config("model.tie_embeddings=true")
-    model = build_llama_on_meta(cfg.model)
+    model = build_on_meta(cfg.model)
     found = find_blocks(model)
     mesh = build_mesh(mode, "cpu", world_size, 2 if mode == "hsdp" else 1)
     apply_fsdp(model, [m for _, m in found], make_plan([n for n, _ in found], ["none"] * len(found), True),
@@ -114,7 +114,7 @@ def _llama_full_weights(rank: int, world_size: int, mode: str):
 @pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
 def test_initial_weights_do_not_depend_on_world_size(mode) -> None:
     cfg = config("model.tie_embeddings=true")
-    model = build_llama_on_meta(cfg.model)
+    model = build_on_meta(cfg.model)
     materialize(model, torch.device("cpu"), seed=0)
     expected = dict(model.named_parameters())
     assert model.output.weight is model.tok_embeddings.weight

@@ -90,10 +90,10 @@ def test_patterns() -> None:
 def _block_and_inputs(recompute: str):
     """A materialised tiny-Llama block wrapped for `recompute`, and inputs at real shapes."""
     from checkpointing.wrap import checkpoint_block, resolve_ops
-    from trainer.build import build_llama_on_meta, materialize
+    from trainer.build import build_on_meta, materialize
     from trainer.models.llama import rope_cos_sin
 
-    model = build_llama_on_meta(config("model.dropout=0.0").model)
+    model = build_on_meta(config("model.dropout=0.0").model)
     materialize(model, torch.device("cpu"), seed=0)
     block = model.layers[0]
     meter = SavedBytesMeter()

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpointing.head import SeeInsideHead, chunked_linear_cross_entropy, default_chunk_tokens
+from checkpointing.head import SeeInsideHead, chunked_linear_cross_entropy
+from checkpointing.plan import default_chunk_tokens
 from launch.bench.head import main
 from trainer.observe.livebytes import LiveTensorBytes, _LiveTensorBytes
 

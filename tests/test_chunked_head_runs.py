@@ -17,7 +17,7 @@ from trainer.build import build_model
 from trainer.config import ConfigError
 from trainer.distenv import read_env
 from trainer.preflight.precheck import deep_check
-from trainer.task import head_chunk, task_for
+from trainer.task import task_for
 
 BIG_VOCAB = ["model.vocab_size=2048", "data=synthetic", "model.dropout=0.0"]
 HF_LLAMA = ["model=hf", "model.hf_config={model_type: llama, vocab_size: 2048, hidden_size: 64, "
@@ -44,7 +44,7 @@ def _head_traffic(rank: int, world: int, head: str, accum: int) -> dict:
     cfg = config(*BIG_VOCAB, "data.seq_len=64", "train.micro_batch_size=2",
                  f"checkpointing.head={head}", "checkpointing.head_chunk_tokens=16")
     model = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter()).model
-    task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
+    task = task_for(cfg.model, cfg.data, cfg.checkpointing)
     counts = {"gather": 0, "reduce": 0}
     gather, reduce = dist.all_gather_single, dist.reduce_scatter_tensor
 

@@ -96,14 +96,14 @@ def test_initial_values_are_drawn_on_the_compute_device(monkeypatch) -> None:
             drawn_on.append(torch.device(device))
             return real(device="cpu")
 
-    model = build.build_llama_on_meta(config(*TINY).model)
+    model = build.build_on_meta(config(*TINY).model)
     monkeypatch.setattr(build.torch, "Generator", Spy)
     compute = torch.device("cpu", 0)  # stands for the CUDA device: another device than storage
     build.materialize(model, compute, seed=3, storage=torch.device("cpu"))
     assert drawn_on and set(drawn_on) == {compute}
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
     monkeypatch.undo()
-    again = build.build_llama_on_meta(config(*TINY).model)
+    again = build.build_on_meta(config(*TINY).model)
     build.materialize(again, torch.device("cpu"), seed=3)
     for (name, a), b in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(a, b), name

@@ -20,7 +20,7 @@ from trainer.build import build_model, build_on_meta, init_params, materialize
 from trainer.distenv import read_env
 from trainer.models.llama import (IGNORE_INDEX, build_llama, lm_loss, next_token_loss, rope_at,
                                   rope_cos_sin)
-from trainer.models.packing import choose_backend, document_ids, document_mask
+from trainer.models.doc_attention import choose_backend, document_ids, document_mask
 
 HF_LLAMA = ("model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 64, "
             "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "

@@ -25,14 +25,15 @@ from trainer.distenv import init_distributed, read_env, shutdown
 from tests.dist import spawn
 from tests.helpers import REPO, config, subprocess_env
 from trainer.observe.livebytes import LiveTensorBytes, tensors_of
-from trainer.build import build_llama_on_meta, build_model, find_model_blocks, llama_args
+from trainer.build import build_model, build_on_meta, find_model_blocks
 from trainer.cli import check
 from trainer.config import DEFAULT_SAVE_OPS
 from trainer.faults import LossGuard
 from trainer.loop import train_step
+from trainer.models.families.llama import llama_args
 from trainer.models.llama import build_llama, lm_loss
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.task import head_chunk, task_for
+from trainer.task import task_for
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Dropout off: with dropout, CPU attention takes the math path (T x T probabilities saved), which
@@ -80,8 +81,8 @@ def test_fused_attention_on_meta_keeps_what_a_flash_kernel_keeps() -> None:
 
 def test_meta_saved_bytes_equal_the_cpu_profile_of_the_tiny_model() -> None:
     cfg = config(*TINY)
-    model = build_llama_on_meta(cfg.model)
-    names, blocks = find_model_blocks(model, None)
+    model = build_on_meta(cfg.model)
+    names, blocks = find_model_blocks(model, cfg.model)
     tokens = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long,
                          device="meta")
     run = lambda m: lm_loss(m, tokens, tokens)  # noqa: E731
@@ -159,7 +160,7 @@ def _measured_step(overrides: list[str], world: int = 1) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
     generator = torch.Generator().manual_seed(denv.rank)
     guard = LossGuard(skip_nonfinite=True, max_bad=3, spike_factor=0, window=10)
-    task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
+    task = task_for(cfg.model, cfg.data, cfg.checkpointing)
     for step in range(2):
         inputs = _random_batch(cfg, task, generator)
         batches = [inputs[-2:]]

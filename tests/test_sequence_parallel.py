@@ -16,7 +16,7 @@ from sharding.sequence import (all_to_all, build_sequence_mesh, check_degree, ch
                                gather_sequence, heads_to_sequence, kv_repeats, sequence_slice,
                                sequence_to_heads, ulysses_attention)
 from tests.dist import spawn
-from trainer.models.packing import document_mask
+from trainer.models.doc_attention import document_mask
 
 BATCH, SEQ, HEAD_DIM = 2, 16, 8
 # name: (query heads, kv heads, layout of the attention function's output, document mask,

@@ -1,7 +1,8 @@
 """Composing the model: build on meta, find blocks, plan, wrap per block, shard, materialise.
 
-Nothing here is specific to Llama: the model contributes `init_param(name, full, generator)`
-(optional: a generic fallback covers plain modules), and blocks come from `find_blocks`.
+Nothing here is specific to a model: its family (trainer/models/families/) builds it on meta,
+finds its blocks and counts its FLOPs; the model contributes `init_param(name, full, generator)`
+(optional: a generic fallback covers plain modules).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import torch.distributed as dist
 
-from checkpointing.blocks import canonical_name, find_blocks
+from checkpointing.blocks import canonical_name
 from checkpointing.compiled import compile_blocks
 from checkpointing.planner.metatrace import cast_like_fsdp
 from checkpointing.plan import BlockPlan, with_offload
@@ -36,20 +37,12 @@ from offload.engine import Offloader
 from sharding import fsdp
 from sharding.fsdp import DTYPES
 from trainer.config import Config, ConfigError, ModelConfig
-from trainer.models.llama import LlamaArgs, build_llama, flops_per_token
-from trainer.task import head_chunk, task_for
+from trainer.models.families import family_of
+from trainer.task import task_for
 
 log = logging.getLogger("trainer")
 # Policies whose plan follows from the block count alone: timing the blocks is optional.
 FIXED_POLICIES = ("full", "selective", "every_k", "sqrt")
-
-
-def llama_args(cfg: ModelConfig) -> LlamaArgs:
-    return LlamaArgs(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                     n_kv_heads=cfg.n_kv_heads, vocab_size=cfg.vocab_size,
-                     ffn_hidden=cfg.ffn_hidden, max_seq_len=cfg.max_seq_len,
-                     norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, dropout=cfg.dropout,
-                     tie_embeddings=cfg.tie_embeddings)
 
 
 def init_params(model: nn.Module, seed: int) -> None:
@@ -57,40 +50,9 @@ def init_params(model: nn.Module, seed: int) -> None:
     materialize(model, next(model.parameters()).device, seed, allocate=False)
 
 
-def build_llama_on_meta(cfg: ModelConfig) -> nn.Module:
-    return build_llama(llama_args(cfg), device="meta")
-
-
-def vit_args(cfg: ModelConfig):
-    from trainer.models.vit import ViTArgs
-
-    return ViTArgs(image_size=cfg.image_size, patch_size=cfg.patch_size, channels=cfg.channels,
-                   num_classes=cfg.num_classes, dim=cfg.dim, n_layers=cfg.n_layers,
-                   n_heads=cfg.n_heads, ffn_hidden=cfg.ffn_hidden, norm_eps=cfg.norm_eps,
-                   dropout=cfg.dropout)
-
-
 def build_on_meta(cfg: ModelConfig) -> nn.Module:
     """The model of `model.arch`, parameters on the meta device."""
-    if cfg.arch == "hf":
-        from trainer.models.hf import build_hf_on_meta
-
-        return build_hf_on_meta(cfg.hf_config, cfg.path, attn_implementation=cfg.attn_implementation)
-    if cfg.arch == "hf_vision":
-        from trainer.models.hf_vision import build_hf_vision_on_meta
-
-        return build_hf_vision_on_meta(cfg.hf_config, cfg.path, cfg.image_size, cfg.num_classes,
-                                       cfg.channels, cfg.dropout, cfg.attn_implementation)
-    if cfg.arch == "timm":
-        from trainer.models.timm_vision import build_timm_on_meta
-
-        return build_timm_on_meta(cfg.name, cfg.checkpoint_path, cfg.image_size, cfg.num_classes,
-                                  cfg.channels, cfg.dropout, cfg.timm_args)
-    if cfg.arch == "vit":
-        from trainer.models.vit import build_vit
-
-        return build_vit(vit_args(cfg), device="meta", path=cfg.path)
-    return build_llama_on_meta(cfg)
+    return family_of(cfg).build_on_meta(cfg)
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
@@ -111,13 +73,6 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("model.freeze", "freezes every parameter; nothing would train")
     return frozen
-
-
-def model_flops_per_token(cfg: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
-    """Training FLOPs per token for MFU (see trainer/models/llama.py's flops_per_token)."""
-    if cfg.arch in ("hf", "vit", "hf_vision", "timm"):
-        return model.flops_per_token(tokens_per_sample)
-    return flops_per_token(llama_args(cfg), tokens_per_sample)
 
 
 def default_init(name: str, full: torch.Tensor, generator: torch.Generator) -> None:
@@ -207,7 +162,7 @@ def plan_blocks(cfg: Config, model: nn.Module, names: Sequence[str], blocks: Seq
     payload = [None]
     if denv.rank == 0:
         model, blocks = profiling_model(cfg, model, blocks)
-        task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
+        task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         inputs, targets = task.example(cfg.train.micro_batch_size)
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, denv.device, resolve_ops(c.save_ops),
@@ -243,7 +198,7 @@ def profiling_model(cfg: Config, model: nn.Module, blocks: Sequence[nn.Module]
         return model, blocks
     copy = build_on_meta(cfg.model)  # the run's own model stays in fp32 (FSDP's master weights)
     freeze(copy, cfg.model.freeze)
-    _, copy_blocks = find_model_blocks(copy, cfg.model.block_pattern)
+    _, copy_blocks = find_model_blocks(copy, cfg.model)
     cast_like_fsdp(copy, copy_blocks, dtype)
     return copy, copy_blocks
 
@@ -270,7 +225,7 @@ def with_working_sets(cfg: Config, model: nn.Module, names: Sequence[str],
     from checkpointing.planner.metatrace import profile_on_meta
 
     c = cfg.checkpointing
-    task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, c))
+    task = task_for(cfg.model, cfg.data, c)
     inputs, targets = task.example(cfg.train.micro_batch_size)
     meta = profile_on_meta(model, names, blocks, lambda m: task.loss(m, inputs, targets),
                            resolve_ops(c.save_ops), list(c.save_ops),
@@ -300,10 +255,10 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     root -> real. decided: the plan (and its profiles) checkpointing=auto chose."""
     started = time.perf_counter()
     model = build_on_meta(cfg.model)
-    flops = model_flops_per_token(cfg.model, model,
-                                  task_for(cfg.model, cfg.data).tokens_per_sample)
+    flops = family_of(cfg.model).flops_per_token(
+        cfg.model, model, task_for(cfg.model, cfg.data, cfg.checkpointing).tokens_per_sample)
     freeze(model, cfg.model.freeze)
-    names, blocks = find_model_blocks(model, cfg.model.block_pattern)
+    names, blocks = find_model_blocks(model, cfg.model)
     run_dir = run_dir or cfg.train.out_dir
     o = cfg.offload
     if decided is not None:
@@ -360,6 +315,7 @@ def forget_build_peak(device: torch.device, cuda=torch.cuda) -> None:
         cuda.reset_peak_memory_stats(device)
 
 
-def find_model_blocks(model: nn.Module, pattern: Optional[str]) -> tuple[list[str], list[nn.Module]]:
-    found = find_blocks(model, pattern)
+def find_model_blocks(model: nn.Module, cfg: ModelConfig) -> tuple[list[str], list[nn.Module]]:
+    """(names, modules) of the model's blocks, as its family finds them (model.block_pattern)."""
+    found = family_of(cfg).blocks(model, cfg.block_pattern)
     return [name for name, _ in found], [module for _, module in found]

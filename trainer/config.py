@@ -37,7 +37,7 @@ def require(cond: bool, key: str, message: str) -> None:
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # preset name, for logs and run names
-    arch: str = "llama"
+    arch: str = "llama"  # the family (trainer/models/families/): llama, hf, vit, hf_vision, timm
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -290,11 +290,9 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
 
 
-# Architectures that classify images (data=images or synthetic_images; patch tokens).
-IMAGE_ARCHS = ("vit", "hf_vision", "timm")
 DTYPES = ("float32", "bfloat16", "float16")
+# model.arch's choices are the model families' (trainer/models/families/), which refuse others.
 CHOICES = {
-    "model.arch": ("llama", "hf", "vit", "hf_vision", "timm"),
     "data.source": ("bytes", "tokens", "synthetic", "text", "chat", "images", "synthetic_images"),
     "data.train_on": ("assistant", "last", "all"),
     "data.format": ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"),

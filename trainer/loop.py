@@ -39,7 +39,7 @@ from trainer.faults import (Collectives, LossFn, LossGuard, PreemptionSignal, St
                             injected_loss)
 from trainer.preflight.auto_plan import fitting, rows as fit_rows, table as fit_table
 from trainer.preflight.auto_run import DECISION_FILE as FIT_FILE, fit_run
-from trainer.models.hf_settings import model_vocab_size
+from trainer.models.families import family_of
 from trainer.models.llama import lm_loss
 from trainer.observe.dashboard import end_of_run, start_logging, start_of_run
 from trainer.observe.evaluate import Evaluation
@@ -51,7 +51,7 @@ from trainer.state.checkpoint import Checkpointer, clear_stopped, mark_stopped
 from trainer.state.ownership import own_run_dir
 from trainer.state.resume import Progress, resume, train_state
 from trainer.state.saver import Saver
-from trainer.task import build_task_datasets, head_chunk, task_for
+from trainer.task import build_task_datasets, task_for
 from trainer.validate import Layout
 
 log = logging.getLogger("trainer")
@@ -184,14 +184,15 @@ class Trainer:
         self.model = self.built.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
-        self.task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
+        self.task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         self.guard = LossGuard(cfg.faults.skip_nonfinite, cfg.faults.max_bad_steps,
                                cfg.faults.spike_factor, cfg.faults.spike_window)
         self.checkpointer = Checkpointer(_checkpoint_dir(cfg, run_dir), cfg.save.keep,
                                          cfg.save.async_save, denv.rank, denv.world_size,
                                          self.device, dataclasses.asdict(cfg.model))
         self.train_set, val_set = build_task_datasets(
-            cfg.model, cfg.data, model_vocab_size(cfg.model), t.seed, denv.local_rank == 0,
+            cfg.model, cfg.data, family_of(cfg.model).vocab_size(cfg.model), t.seed,
+            denv.local_rank == 0,
             (denv.rank, denv.world_size, t.micro_batch_size, layout.grad_accum))
         self.batches = Prefetcher(self._read_batch, cfg.data.workers)
         self.val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,

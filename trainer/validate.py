@@ -9,8 +9,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from trainer.config import (CHOICES, DTYPES, IMAGE_ARCHS, SIGNALS, CheckpointingConfig, Config,
-                            ConfigError, DataConfig, TrainConfig, require)
+from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Config, ConfigError,
+                            DataConfig, TrainConfig, require)
+from trainer.models.families import Family, family_of
 
 IMAGE_SOURCES = ("images", "synthetic_images")
 DOCUMENT_SOURCES = ("text", "chat")  # read, tokenized and packed by trainer/data/documents.py
@@ -83,12 +84,9 @@ def check_writable(path: str, key: str) -> None:
     require(writable, key, f"{path} is not writable (checked {probe}); choose a writable folder")
 
 
-def _check_text(cfg: Config) -> None:
+def _check_text(cfg: Config, family: Family) -> None:
     m = cfg.model
-    if m.arch == "hf":
-        from trainer.models.hf_settings import check_hf
-
-        check_hf(cfg)
+    family.validate(m)
     require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
             f"head size model.dim/model.n_heads={m.dim // m.n_heads} must be even (rotary)")
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
@@ -102,22 +100,20 @@ def _check_text(cfg: Config) -> None:
                 "data.source=tokens needs data.val_path=<file.bin>")
         _check_token_files(cfg.data, m.vocab_size)
     if cfg.data.source in DOCUMENT_SOURCES:
-        _check_documents(cfg.data, m)
+        _check_documents(cfg.data, family.own_tokenizer(m))
     if cfg.data.source == "bytes":
-        from trainer.models.hf_settings import model_vocab_size
-
-        vocab = model_vocab_size(m)
-        require(vocab >= 256, "model.vocab_size" if m.arch != "hf" else "model.hf_config",
+        vocab = family.vocab_size(m)
+        require(vocab >= 256, family.vocab_key,
                 f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
 
 
-def _check_documents(d: DataConfig, m) -> None:
+def _check_documents(d: DataConfig, own_tokenizer: Optional[str]) -> None:
     """data=text / chat: where the documents are and which tokenizer reads them."""
     require(bool(d.path), "data.path", f"data={d.source} needs data.path=<jsonl or parquet "
             "file, folder, glob, saved dataset or dataset name>")
     require(d.train_path is None, "data.train_path",
             f"data={d.source} reads data.path (data.train_path is for data=tokens and images)")
-    require(bool(d.tokenizer or (m.arch == "hf" and m.path)), "data.tokenizer",
+    require(bool(d.tokenizer or own_tokenizer), "data.tokenizer",
             f"data={d.source} needs a Hugging Face tokenizer: data.tokenizer=<folder or name> "
             "(model=hf with model.path uses the model's own)")
     require(0 < d.val_fraction < 1 or d.val_path is not None, "data.val_fraction",
@@ -128,11 +124,11 @@ def _check_documents(d: DataConfig, m) -> None:
             "data.streaming=true reads validation from its own file: set data.val_path")
 
 
-def _check_images(cfg: Config) -> None:
+def _check_images(cfg: Config, family: Family) -> None:
     m, d = cfg.model, cfg.data
-    require(m.arch in IMAGE_ARCHS, "data.source",
-            f"{d.source} are images, which model.arch={m.arch} does not read; use model=vit or "
-            "a text source (data=bytes, tokens or synthetic)")
+    require(not family.language_model, "data.source",
+            f"{d.source} are images, which model.arch={family.arch} does not read; use "
+            "model=vit or a text source (data=bytes, tokens or synthetic)")
     require(d.source in IMAGE_SOURCES, "data.source",
             f"model.arch=vit classifies images; use data=synthetic_images or data=images "
             f"(now data.source={d.source})")
@@ -141,19 +137,7 @@ def _check_images(cfg: Config) -> None:
     require(m.image_size % m.patch_size == 0, "model.patch_size",
             f"must divide model.image_size={m.image_size}, got {m.patch_size}")
     require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
-    if m.arch == "hf_vision":
-        from trainer.models.hf_settings import check_hf
-
-        check_hf(cfg)
-        return _check_image_folders(cfg)
-    if m.arch == "timm":
-        from trainer.models.timm_vision import check_timm
-
-        check_timm(cfg)
-        return _check_image_folders(cfg)
-    require(m.hf_config is None, "model.hf_config", "only applies to model.arch=hf")
-    if m.path is not None:
-        _check_pretrained_vit(cfg)
+    family.validate(m)
     _check_image_folders(cfg)
 
 
@@ -185,24 +169,6 @@ def _check_image_folders(cfg: Config) -> None:
                 f"({', '.join(IMAGE_EXTENSIONS)})")
 
 
-def _check_pretrained_vit(cfg: Config) -> None:
-    """model.path of a ViT: a `python -m trainer.export` folder of a ViT of the same shape (the
-    image size and number of classes may differ: positions are resized, the head replaced)."""
-    m = cfg.model
-    meta = os.path.join(m.path, "config.json")
-    require(os.path.isfile(meta), "model.path",
-            f"{m.path} has no config.json (a folder written by python -m trainer.export from a "
-            "model=vit run)")
-    with open(meta) as f:
-        saved = json.load(f).get("model", {})
-    require(saved.get("arch") == "vit", "model.path",
-            f"{m.path} holds a model.arch={saved.get('arch')} model, not a ViT")
-    for key in ("dim", "n_layers", "n_heads", "ffn_hidden", "patch_size", "channels"):
-        require(saved.get(key) == getattr(m, key), f"model.{key}",
-                f"{getattr(m, key)}, but the pretrained model in {m.path} has {saved.get(key)}; "
-                f"set model.{key}={saved.get(key)}")
-
-
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     """Checks every value a type cannot, against the world this run will have; the first
     mistake found (in this order) is the one reported."""
@@ -216,6 +182,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
 
 def _check_ranges(cfg: Config) -> None:
     """Choices, signs and ranges of single values."""
+    family_of(cfg.model)  # model.arch first: the registry refuses an arch without a family
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         require(value in allowed, key, f"got {value!r}; choose one of {', '.join(allowed)}")
@@ -349,11 +316,11 @@ def _check_model_and_data(cfg: Config) -> None:
     m = cfg.model
     require(m.dim % m.n_heads == 0, "model.n_heads",
             f"must divide model.dim={m.dim}, got {m.n_heads}")
-    images = cfg.data.source in IMAGE_SOURCES
-    if m.arch in IMAGE_ARCHS or images:
-        _check_images(cfg)
+    family = family_of(m)
+    if not family.language_model or cfg.data.source in IMAGE_SOURCES:
+        _check_images(cfg, family)
     else:
-        _check_text(cfg)
+        _check_text(cfg, family)
 
 
 def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from checkpointing.head import chunked_linear_cross_entropy, default_chunk_tokens
+from checkpointing.head import chunked_linear_cross_entropy
+from checkpointing.plan import default_chunk_tokens
 from checkpointing.planner.metatrace import LiveBytes
 
 

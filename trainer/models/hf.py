@@ -15,8 +15,11 @@ The wrapper makes the trainer's contract: `model(tokens, positions=None) -> logi
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
-from typing import Any, Iterator, Mapping, Optional
+import sys
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -24,6 +27,9 @@ from torch import nn
 from trainer.models.weights import BufferKeeper, SafetensorsReader
 
 PREFIX = "hf."  # parameter names inside the wrapper; the HF name follows
+# Names registered in transformers' attention registries, "blocktrain+<the model's own>": every
+# attention module of a model whose attention was wrapped calls its own `attend` through them.
+ATTENTION = "blocktrain+"
 
 
 class HFModelError(ValueError):
@@ -191,3 +197,59 @@ def save_pretrained(model_state: Mapping[str, torch.Tensor], hf_config: Any,
         setattr(config, key, value)
     with open(os.path.join(out, "config.json"), "w") as f:
         f.write(config.to_json_string())
+
+
+@functools.cache
+def _calls_attention_registry(cls: type) -> bool:
+    """Whether a module class's forward takes its attention from transformers' registry (the
+    test transformers itself makes of whether a model can switch its attention)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def hf_attention_modules(hf_model: nn.Module) -> list[nn.Module]:
+    """The modules of an HF model that call the registry's attention, in forward order."""
+    return [m for m in hf_model.modules() if _calls_attention_registry(type(m))]
+
+
+def _through_attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: Optional[torch.Tensor], **kwargs):
+    """The registry's function under the "blocktrain+" names: the module's `attend`, returned
+    in HF's layout ([B, T, heads, head_dim], no attention weights)."""
+    out = module.attend(query, key, value, attention_mask=attention_mask, **kwargs)
+    return out.transpose(1, 2), None
+
+
+def _as_attend(function: Callable, module: nn.Module) -> Callable[..., torch.Tensor]:
+    """An HF attention function (module, q, k, v, mask, **options) -> ([B, T, heads, head_dim],
+    weights) as an attend for `module`: (q, k, v, **options) -> [B, heads, T, head_dim]."""
+    def attend(query, key, value, **options):
+        return function(module, query, key, value, **options)[0].transpose(1, 2)
+    return attend
+
+
+def wrap_hf_attention(hf_model: nn.Module, wrap: Callable) -> int:
+    """Each attention module of `hf_model` calls `wrap(current)` from now on; returns how many.
+    The first wrap registers "blocktrain+<impl>" in transformers' AttentionInterface (with
+    <impl>'s own mask function, so masks are made as before) and points the config at it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    modules = hf_attention_modules(hf_model)
+    fresh = [(m, m.config._attn_implementation) for m in modules if "attend" not in vars(m)]
+    for module, impl in fresh:  # every module's own implementation, before any config changes
+        function = (sys.modules[type(module).__module__].eager_attention_forward
+                    if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl])
+        module.attend = _as_attend(function, module)
+    for module, impl in fresh:
+        AttentionInterface.register(ATTENTION + impl, _through_attend)
+        AttentionMaskInterface.register(ATTENTION + impl, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+        module.config._attn_implementation = ATTENTION + impl
+        if hf_model.config._attn_implementation == impl:  # the model's masks follow its layers
+            hf_model.config._attn_implementation = ATTENTION + impl
+    for module in modules:
+        module.attend = wrap(module.attend)
+    return len(modules)

@@ -1,13 +1,13 @@
-"""Settings of `model.arch=hf` that can be checked without torch: which fields the HF config
-has (given inline or saved in the model folder), the vocabulary the data must fit, and the
-one-line errors for a model that cannot be built."""
+"""Settings of the Hugging Face families (`model.arch=hf`, `hf_vision`) that can be checked
+without torch: which fields the HF config has (given inline or saved in the model folder), and the
+one-line error for a model given neither way or both."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from trainer.config import Config, ConfigError, ModelConfig, require
+from trainer.config import ConfigError, ModelConfig, require
 
 
 def hf_fields(m: ModelConfig) -> dict:
@@ -25,15 +25,8 @@ def hf_fields(m: ModelConfig) -> dict:
     return dict(m.hf_config or {})
 
 
-def model_vocab_size(m: ModelConfig) -> int:
-    if m.arch != "hf":
-        return m.vocab_size
-    # 32000 is what transformers' Llama config defaults to when vocab_size is not given.
-    return int(hf_fields(m).get("vocab_size", 32000))
-
-
-def check_hf(cfg: Config) -> None:
-    m = cfg.model
+def check_hf_source(m: ModelConfig) -> None:
+    """Exactly one of model.path (a local save_pretrained folder) and model.hf_config."""
     require((m.path is None) != (m.hf_config is None), "model.path",
             "model.arch=hf needs exactly one of model.path=<local folder> or "
             "model.hf_config={model_type: ..., ...}")
@@ -45,10 +38,3 @@ def check_hf(cfg: Config) -> None:
         require(isinstance(m.hf_config, dict) and "model_type" in m.hf_config,
                 "model.hf_config", "must be a mapping with model_type, e.g. "
                 "{model_type: llama, hidden_size: 128, num_hidden_layers: 2}")
-    if m.arch == "hf_vision":
-        patch = int(hf_fields(m).get("patch_size", 16))
-        require(m.patch_size == patch, "model.patch_size",
-                f"must be the model's own patch size {patch}, got {m.patch_size}")
-    if m.arch == "hf":
-        require(m.dropout == 0, "model.dropout",
-                "unused with model.arch=hf; set the HF config's own dropout fields instead")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing.head import chunked_linear_cross_entropy
-from trainer.models.packing import (DocumentMask, check_positions, choose_backend,
+from trainer.models.doc_attention import (DocumentMask, check_positions, choose_backend,
                                     document_mask, masked_attention)
 from trainer.models.rope import Rope, apply_rope, rope_at, rope_cos_sin  # noqa: F401 (tests)
 
@@ -48,7 +48,7 @@ class LlamaArgs:
     dropout: float = 0.0
     tie_embeddings: bool = False
     # Packed batches only: "auto" (FlexAttention on CUDA, an SDPA boolean mask elsewhere),
-    # "sdpa" or "flex"; see trainer/models/packing.py.
+    # "sdpa" or "flex"; see trainer/models/doc_attention.py.
     packed_attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -93,6 +93,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # What attends over q, k, v: the hook sequence parallelism wraps
+        # (trainer/models/attention.py).
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, rope: Rope,
                 mask: DocumentMask | None = None) -> torch.Tensor:
@@ -107,13 +110,20 @@ class Attention(nn.Module):
         # grouping as repeat_interleave, without materialising the repeated kv tensors.
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.n_kv_heads != self.n_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
-                                                 enable_gqa=gqa)
-        else:
-            out = masked_attention(q, k, v, mask, dropout_p, gqa)
+        out = self.attend(q, k, v, mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim)
         return self.wo(out)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: DocumentMask | None = None, dropout_p: float = 0.0,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention of [B, heads, T, head_dim] q, k, v; inside each document when `mask`
+    (packed sequences) is given."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                              enable_gqa=enable_gqa)
+    return masked_attention(q, k, v, mask, dropout_p, enable_gqa)
 
 
 class FeedForward(nn.Module):

@@ -230,12 +230,12 @@ def save_for_timm(tensors: Mapping[str, torch.Tensor], model_cfg: Mapping, out: 
     return out
 
 
-def check_timm(cfg) -> None:
-    """model.arch=timm settings, checked before any process group: timm importable, the model
-    known (or the local-dir folder there), timm_args accepted, the patch size the model's."""
+def check_timm(m) -> None:
+    """model.arch=timm settings (m: the ModelConfig), checked before any process group: timm
+    importable, the model known (or the local-dir folder there), timm_args accepted, the patch
+    size the model's."""
     from trainer.config import ConfigError, require
 
-    m = cfg.model
     require(m.path is None and m.hf_config is None, "model.path",
             "model.arch=timm takes model.name=<timm model> and model.checkpoint_path=<file>, "
             "not model.path or model.hf_config")

@@ -55,12 +55,15 @@ class SelfAttention(nn.Module):
         self.n_heads = n_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
+        # What attends over q, k, v: the hook sequence parallelism wraps
+        # (trainer/models/attention.py).
+        self.attend = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).view(batch, tokens, 3, self.n_heads, dim // self.n_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, T, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = self.attend(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
 
 

@@ -109,11 +109,13 @@ def flop_timing(evaluator: Evaluator) -> Timer:
 
 def rest_flops(cfg: Config, profile) -> float:
     """Training FLOPs of one micro-batch outside the blocks (embedding, head, loss)."""
-    from trainer.build import build_on_meta, model_flops_per_token
+    from trainer.build import build_on_meta
+    from trainer.models.families import family_of
     from trainer.task import task_for
 
-    tokens = task_for(cfg.model, cfg.data).tokens_per_sample
-    total = model_flops_per_token(cfg.model, build_on_meta(cfg.model), tokens) * tokens
+    tokens = task_for(cfg.model, cfg.data, cfg.checkpointing).tokens_per_sample
+    total = family_of(cfg.model).flops_per_token(cfg.model, build_on_meta(cfg.model),
+                                                 tokens) * tokens
     blocks = 3 * sum(m.forward_flops for m in profile.blocks)
     return max(0.0, total * cfg.train.micro_batch_size - blocks)
 

@@ -32,7 +32,7 @@ from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config, ConfigError
 from trainer.distenv import DistEnv
 from trainer.preflight.scenario import Evaluator, Scenario
-from trainer.task import head_chunk, task_for
+from trainer.task import task_for
 from trainer.validate import Layout
 
 log = logging.getLogger("trainer")
@@ -62,11 +62,11 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
 
     def timer(cfg: Config, scenario: Scenario, evaluator: Evaluator):
         model = build_on_meta(cfg.model)
-        _, blocks = find_model_blocks(model, cfg.model.block_pattern)
+        _, blocks = find_model_blocks(model, cfg.model)
         s = cfg.sharding
         if s.mode != "none" and s.param_dtype:  # time what FSDP will run: the compute dtype
             cast_like_fsdp(model, blocks, DTYPES[s.param_dtype])
-        task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
+        task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         inputs, targets = task.example(cfg.train.micro_batch_size)
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, device,

@@ -141,7 +141,7 @@ def draw_plan(outcome, capacity: Optional[int] = None) -> tuple[Figure, list[str
                                         height_ratios=(3, 1.4))
     labels = _timeline_panel(steps, outcome, capacity) + _blocks_panel(blocks, outcome)
     est, sc = outcome.estimate, outcome.scenario
-    tokens = task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample
+    tokens = task_for(sc.cfg.model, sc.cfg.data, sc.cfg.checkpointing).tokens_per_sample
     host = (f"; parameters, gradients and optimizer state in host memory: {gib(est.host)}"
             if est.host else "")
     fig.suptitle(

@@ -10,11 +10,11 @@ Each check runs only when its setting is in play, so a plain run pays nothing fo
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 
 from trainer.config import DEFAULT_SAVE_OPS, Config, ConfigError
+from trainer.models.families import family_of
 
 # Messages of our own errors start with the setting to change ("data.train_path: ..." or
 # "model.block_pattern='x' ..."); this finds it.
@@ -43,7 +43,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
     """Raises ConfigError for the mistakes above; see the module docstring."""
     try:
         _save_ops(cfg)
-        _hf_model_type(cfg)
+        family_of(cfg.model).preflight(cfg.model)
         _blocks(cfg)
         _token_files(cfg)
         _documents(cfg)
@@ -62,30 +62,6 @@ def _save_ops(cfg: Config) -> None:
         from checkpointing.wrap import resolve_ops
 
         resolve_ops(c.save_ops)
-
-
-def _hf_model_type(cfg: Config) -> None:
-    m = cfg.model
-    if m.arch != "hf":
-        return
-    from trainer.models.hf_settings import hf_fields
-
-    model_type = hf_fields(m).get("model_type")
-    key = "model.hf_config.model_type" if m.path is None else "model.path"
-    where = "" if m.path is None else f"{os.path.join(m.path, 'config.json')}: "
-    if not isinstance(model_type, str):
-        raise ConfigError(key, f"{where}no model_type (e.g. llama, gpt2, qwen2)")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if model_type not in CONFIG_MAPPING_NAMES:
-        close = difflib.get_close_matches(model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), 3)
-        raise ConfigError(key, f"{where}model_type {model_type!r} is not one transformers knows"
-                          + (f"; did you mean {', '.join(close)}?" if close else
-                             " (e.g. llama, gpt2, qwen2, mistral)"))
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError(key, f"{where}model_type {model_type!r} has no causal language model "
-                          "in transformers (model=hf trains AutoModelForCausalLM)")
 
 
 def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
@@ -115,7 +91,7 @@ def _blocks(cfg: Config) -> None:
         return
     from trainer.build import build_on_meta, find_model_blocks
 
-    find_model_blocks(build_on_meta(cfg.model), cfg.model.block_pattern)
+    find_model_blocks(build_on_meta(cfg.model), cfg.model)
 
 
 def _token_files(cfg: Config) -> None:
@@ -123,9 +99,8 @@ def _token_files(cfg: Config) -> None:
     if d.source != "tokens":
         return
     from trainer.data.tokens import read_meta, token_file
-    from trainer.models.hf_settings import model_vocab_size
 
-    vocab = model_vocab_size(cfg.model)
+    vocab = family_of(cfg.model).vocab_size(cfg.model)
     for key, path in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
         if not path:
             raise ConfigError(key, "required when data.source=tokens")
@@ -137,19 +112,13 @@ def _token_files(cfg: Config) -> None:
                               "tokenize with the model's tokenizer")
 
 
-# HF config fields that change the logits beyond hidden @ W.T: the fused head cannot apply them.
-LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
-
-
 def _head(cfg: Config) -> None:
     """checkpointing.head=chunked: the chunk's fp32 logits fit the budget, and the model's
     logits are hidden @ W.T (no bias, scale or soft-capping) so the fused head gives them."""
-    c = cfg.checkpointing
-    if c.head != "chunked" or cfg.model.arch not in ("llama", "hf"):
+    c, family = cfg.checkpointing, family_of(cfg.model)
+    if c.head != "chunked" or not family.language_model:
         return  # image models keep their own (small) head
-    from trainer.models.hf_settings import model_vocab_size
-
-    vocab, budget = model_vocab_size(cfg.model), c.head_budget_mib * 2**20
+    vocab, budget = family.vocab_size(cfg.model), c.head_budget_mib * 2**20
     tokens = c.head_chunk_tokens or 1
     if tokens * vocab * 4 > budget:
         what = (f"checkpointing.head_chunk_tokens={c.head_chunk_tokens} tokens" if
@@ -158,22 +127,7 @@ def _head(cfg: Config) -> None:
                           f"vocabulary is {tokens * vocab * 4 / 2**20:.1f} MiB of fp32 logits, "
                           f"over the budget of {c.head_budget_mib} MiB: raise it, or lower "
                           "checkpointing.head_chunk_tokens")
-    if cfg.model.arch != "hf":
-        return
-    from trainer.build import build_on_meta
-
-    hf = build_on_meta(cfg.model).hf
-    bent = [f for f in LOGIT_FIELDS if getattr(hf.config, f, None) not in (None, 1, 1.0)]
-    if bent:
-        raise ConfigError("checkpointing.head", f"chunked computes logits as hidden @ W.T; this "
-                          f"{hf.config.model_type} model also applies {', '.join(bent)}: "
-                          "use checkpointing.head=plain")
-    head = hf.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None or head.weight.dim() != 2:
-        raise ConfigError("checkpointing.head", "chunked needs the model's output projection "
-                          "(get_output_embeddings(): a Linear without bias); this model has "
-                          f"{type(head).__name__ if head is not None else 'none'}: use "
-                          "checkpointing.head=plain")
+    family.check_fused_head(cfg.model)
 
 
 def _documents(cfg: Config) -> None:
@@ -184,7 +138,6 @@ def _documents(cfg: Config) -> None:
         return
     from trainer.data.sources import (DataError, check_fields, document_settings,
                                       first_record_fields, load_tokenizer)
-    from trainer.models.hf_settings import model_vocab_size
 
     try:
         fields = first_record_fields(d.path, d.split)
@@ -193,7 +146,7 @@ def _documents(cfg: Config) -> None:
         tokenizer = load_tokenizer(d.tokenizer or cfg.model.path, d.source)
     except DataError as exc:
         raise as_config_error(exc) from None
-    vocab = model_vocab_size(cfg.model)
+    vocab = family_of(cfg.model).vocab_size(cfg.model)
     if len(tokenizer) > vocab:
         raise ConfigError("model.vocab_size", f"the tokenizer {d.tokenizer or cfg.model.path} "
                           f"has {len(tokenizer)} ids, more than the model's {vocab}")

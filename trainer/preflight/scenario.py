@@ -24,7 +24,7 @@ from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config
 from trainer.validate import Layout, validate
-from trainer.task import head_chunk, task_for
+from trainer.task import task_for
 
 # Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
 # reached, and one NVMe drive.
@@ -137,17 +137,17 @@ class Evaluator:
 
     def profile(self, cfg: Config) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
         """Meta profile, parameter groups and parameter dtype of a config (cached by shapes)."""
+        task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
-               tuple(cfg.checkpointing.save_ops), head_chunk(cfg.model, cfg.checkpointing))
+               tuple(cfg.checkpointing.save_ops), task.head_chunk)
         if key not in self._profiles:
             model = build_on_meta(cfg.model)
-            names, blocks = find_model_blocks(model, cfg.model.block_pattern)
+            names, blocks = find_model_blocks(model, cfg.model)
             orig_dtype = next(model.parameters()).dtype
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
-            task = task_for(cfg.model, cfg.data, head_chunk(cfg.model, cfg.checkpointing))
             inputs, targets = task.example(cfg.train.micro_batch_size)
             names_ops = list(cfg.checkpointing.save_ops)
             profile = profile_on_meta(model, names, blocks,

@@ -49,6 +49,10 @@ def block_rows(outcome) -> list[dict]:
                                                 outcome.profile.blocks)]
 
 
+def _tokens_per_sample(sc) -> int:
+    return task_for(sc.cfg.model, sc.cfg.data, sc.cfg.checkpointing).tokens_per_sample
+
+
 def summary(outcome) -> dict:
     """Every number of one prediction, for memory_plan.json."""
     est, sc = outcome.estimate, outcome.scenario
@@ -57,7 +61,7 @@ def summary(outcome) -> dict:
         "sharding": sc.cfg.sharding.mode, "shard": sc.layout.shard,
         "replicate": sc.layout.replicate, "grad_accum": sc.layout.grad_accum,
         "micro_batch_size": sc.cfg.train.micro_batch_size,
-        "tokens_per_sample": task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample,
+        "tokens_per_sample": _tokens_per_sample(sc),
         "param_dtype": sc.cfg.sharding.param_dtype, "policy": sc.cfg.checkpointing.policy,
         "per_rank_bytes": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                            "activation_peak": est.activation_peak,
@@ -77,7 +81,7 @@ def summary(outcome) -> dict:
 
 def table(outcome, tflops: float) -> str:
     est, sc = outcome.estimate, outcome.scenario
-    tokens = task_for(sc.cfg.model, sc.cfg.data).tokens_per_sample
+    tokens = _tokens_per_sample(sc)
     lines = [f"{'block':<22} {'option':<10} {'saved MiB':>11} {'recompute GFLOP':>16}"]
     for name, row in collapse(block_rows(outcome)):
         lines.append(f"{name:<22} {row['recompute']:<10} {row['saved_bytes'] / 2**20:>11.2f} "

@@ -2,10 +2,10 @@
 
 CHECKPOINT is a committed checkpoint folder (`<run dir>/checkpoints/step_<N>`) or a run directory
 (its newest committed checkpoint). Writes DIR/model.safetensors (full, unsharded fp32 weights,
-named as in the model) and DIR/config.json (the model config and where it came from); for
-`model.arch=hf`, a folder `from_pretrained` loads (HF names and the HF config). Runs in one
-process without a process group, whatever world size wrote the checkpoint; the optimizer state is
-not read.
+named as in the model) and DIR/config.json (the model config and where it came from), or what
+the model's family writes instead (trainer/models/families/): a folder `from_pretrained` loads
+for the Hugging Face families, one timm loads for timm. Runs in one process without a process
+group, whatever world size wrote the checkpoint; the optimizer state is not read.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from trainer.models.families import family_of_saved
 from trainer.state.meta import SafeReader, UnsafeMetadata
 from trainer.state.checkpoint import STATE, list_checkpoints, verify
 
@@ -56,37 +57,12 @@ def load_model_state(folder: str) -> dict[str, torch.Tensor]:
 
 
 def export(folder: str, out: str) -> str:
-    from safetensors.torch import save_file
-
+    """The checkpoint's model in the form its family exports (trainer/models/families/)."""
     with open(os.path.join(folder, STATE)) as f:
         saved = json.load(f)
     tensors = {name: t.contiguous() for name, t in load_model_state(folder).items()}
-    model_cfg = saved["config"]["model"]
-    if model_cfg.get("arch") == "timm":  # a folder timm loads: create_model("local-dir:<out>")
-        from trainer.models.timm_vision import save_for_timm
-
-        return save_for_timm(tensors, model_cfg, out)
-    if model_cfg.get("arch") in ("hf", "hf_vision"):  # back to a folder Hugging Face loads
-        from trainer.models.hf import save_pretrained
-
-        fields = None
-        if model_cfg.get("arch") == "hf_vision":  # the resolution and classes it was tuned at
-            classes = int(model_cfg["num_classes"])
-            fields = {"image_size": model_cfg["image_size"], "num_labels": classes,
-                      "num_channels": model_cfg["channels"],
-                      "id2label": {i: str(i) for i in range(classes)},
-                      "label2id": {str(i): i for i in range(classes)}}
-        save_pretrained(tensors, model_cfg.get("hf_config"), model_cfg.get("path"), out, fields)
-        return out
-    os.makedirs(out, exist_ok=True)
-    step = saved["progress"]["step"]
-    save_file(tensors, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt", "step": str(step)})
-    config = {"model": saved["config"]["model"], "step": step, "checkpoint": os.path.abspath(folder),
-              "parameters": int(sum(t.numel() for t in tensors.values()))}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=1, sort_keys=True)
-    return out
+    model_cfg, step = saved["config"]["model"], saved["progress"]["step"]
+    return family_of_saved(model_cfg).export(tensors, model_cfg, out, step, folder)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Packed sequences for the built-in Llama: several documents share one window.
+"""Document-masked attention of packed sequences for the built-in Llama: several documents share
+one window, and attention never crosses from one to another.
 
 A packed micro-batch carries ``positions`` ([B, T] integers) beside the tokens. A token whose
 position is not its left neighbour's plus one starts a new document (the first token of a row

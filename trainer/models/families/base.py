@@ -1,0 +1,211 @@
+"""What every model family answers, and the task it trains.
+
+A family (trainer/models/families/<family>.py) is one object that knows everything the rest of the
+trainer may ask about one kind of model: its settings (checked without torch), how it is built on
+the meta device, its blocks, its attention, its task, head and loss, its FLOPs, its vocabulary, its
+image preprocessing and how its weights are exported. Two bases hold what families of a kind
+share: `LanguageModel` (next-token prediction, the plain or the fused chunked head) and
+`ImageClassifier` (a class per image). Importing this module does not import torch: the model code
+is imported inside the methods that need it.
+
+Attention is the hook sequence parallelism uses. Every family's attention calls one function per
+block, with one signature (trainer/models/attention.py):
+
+    attend(q, k, v, **options) -> out    # q [B, heads, T, head_dim], k/v [B, kv_heads, T, head_dim]
+
+`wrap_attention(model, wrap)` replaces each block's function by `wrap(current)`; `current` is what
+the block called before (the model's own attention, or an earlier wrap), so a wrapper that calls it
+gives the model's outputs bit for bit, and one that redistributes q, k and v first (Ulysses: tokens
+for heads) changes only where attention runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
+
+from checkpointing.plan import default_chunk_tokens
+from trainer.config import CheckpointingConfig, ModelConfig
+
+IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    Batch = tuple[torch.Tensor, torch.Tensor]
+    Attend = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What the model is trained to do: its loss, an example micro-batch, and how many tokens a
+    sample is (for throughput and MFU). The loop, the planner's meta trace and the pre-flight
+    report ask the task; none of them needs to know which kind of model it trains."""
+
+    kind: str  # "lm" | "classification"
+    sample_shape: tuple[int, ...]  # one input: (seq_len,) tokens or (channels, size, size)
+    tokens_per_sample: int  # sequence length, or patch tokens per image
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> loss
+    # Packed documents (data=text / chat): the loss is a sum over the supervised targets, which
+    # the step divides by the global batch's count (micro-batches hold different numbers).
+    summed: bool = False
+    # checkpointing.head=chunked: the model makes its summed loss itself through the fused
+    # chunked head, this many tokens at a time (None: logits, then the criterion).
+    head_chunk: int | None = None
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        if self.head_chunk is not None:
+            total = model(inputs, positions=positions, targets=targets,
+                          chunk_tokens=self.head_chunk)
+            return total if self.summed else total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+        if positions is None:
+            return self.criterion(model(inputs), targets)
+        return self.criterion(model(inputs, positions=positions), targets)
+
+    def example(self, micro_batch_size: int, device: torch.device | str = "meta") -> Batch:
+        """A micro-batch of the right shapes and dtypes (zeros; on meta for tracing)."""
+        import torch
+
+        if self.kind == "lm":
+            tokens = torch.zeros(micro_batch_size, *self.sample_shape, dtype=torch.long,
+                                 device=device)
+            return tokens, tokens
+        return (torch.zeros(micro_batch_size, *self.sample_shape, device=device),
+                torch.zeros(micro_batch_size, dtype=torch.long, device=device))
+
+    def eval_batch(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, fraction of correct top-1 predictions) of one batch; for a summed loss,
+        (loss summed over the supervised targets, their count)."""
+        if self.head_chunk is not None:  # no logits: the loss, and the targets it averages
+            loss = self.loss(model, inputs, targets, positions)
+            return loss, (targets != IGNORE_INDEX).sum().float()
+        logits = model(inputs) if positions is None else model(inputs, positions=positions)
+        if self.summed:
+            return self.criterion(logits, targets), (targets != IGNORE_INDEX).sum().float()
+        correct = (logits.argmax(dim=-1) == targets).float().mean()
+        return self.criterion(logits, targets), correct
+
+
+class Family:
+    """The questions the trainer asks of a model family; a family module subclasses
+    `LanguageModel` or `ImageClassifier` and answers the rest."""
+
+    arch = ""  # the model.arch value that chooses this family (conf/model/*.yaml)
+    language_model = True  # next-token prediction on tokens; False: classifies images
+    vocab_key = "model.vocab_size"  # the key that sets its vocabulary, for error messages
+
+    # Settings, checked without torch.
+    def validate(self, m: ModelConfig) -> None:
+        """The family's own settings, after the checks every model of its kind shares
+        (trainer/validate.py); a mistake raises the ConfigError naming its key."""
+
+    def preflight(self, m: ModelConfig) -> None:
+        """Checks that need the family's library (trainer/preflight/precheck.py, before the run)."""
+
+    def vocab_size(self, m: ModelConfig) -> int:
+        return m.vocab_size
+
+    def own_tokenizer(self, m: ModelConfig) -> Optional[str]:
+        """A folder holding the model's own tokenizer, when data.tokenizer may be left out."""
+        return None
+
+    # The model.
+    def build_on_meta(self, m: ModelConfig) -> nn.Module:
+        """The model, parameters on the meta device. Weights come at materialisation: its
+        `init_param` draws them, or reads them from the pretrained files the settings name."""
+        raise NotImplementedError
+
+    def blocks(self, model: nn.Module, pattern: Optional[str]) -> list[tuple[str, nn.Module]]:
+        """(name, module) of each repeated block, in forward order: the finder's, which sees
+        any ModuleList of same-class children (pattern: model.block_pattern's glob)."""
+        from checkpointing.blocks import find_blocks
+
+        return find_blocks(model, pattern)
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose attention `wrap_attention` reaches, in forward order."""
+        raise NotImplementedError
+
+    def wrap_attention(self, model: nn.Module, wrap: Callable[[Attend], Attend]) -> int:
+        """Each attention module calls `wrap(current)` from now on (see the module docstring);
+        returns how many modules were wrapped."""
+        from trainer.models.attention import wrap_attend
+
+        return wrap_attend(self.attention_modules(model), wrap)
+
+    def flops_per_token(self, m: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
+        """Training FLOPs per token (forward and backward), for MFU."""
+        return model.flops_per_token(tokens_per_sample)
+
+    # Task, head and loss.
+    def task(self, m: ModelConfig, seq_len: int, summed: bool,
+             head: CheckpointingConfig) -> Task:
+        raise NotImplementedError
+
+    def check_fused_head(self, m: ModelConfig) -> None:
+        """checkpointing.head=chunked: refuse a model whose logits are not hidden @ W.T."""
+
+    def image_preprocessing(self, m: ModelConfig) -> Optional[dict]:
+        """The pretrained model's own image_mean, image_std and resample (None: the defaults
+        of trainer/data/images.py)."""
+        return None
+
+    # Weights out.
+    def export(self, tensors: Mapping[str, torch.Tensor], model: Mapping, out: str, step: int,
+               checkpoint: str) -> str:
+        """Write the trained weights to `out` for inference (`python -m trainer.export`):
+        here one model.safetensors named as in the model, and config.json saying what it is.
+        `model` is the checkpoint's model section, as a mapping."""
+        from safetensors.torch import save_file
+
+        os.makedirs(out, exist_ok=True)
+        save_file(dict(tensors), os.path.join(out, "model.safetensors"),
+                  metadata={"format": "pt", "step": str(step)})
+        config = {"model": dict(model), "step": step, "checkpoint": os.path.abspath(checkpoint),
+                  "parameters": int(sum(t.numel() for t in tensors.values()))}
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f, indent=1, sort_keys=True)
+        return out
+
+
+class LanguageModel(Family):
+    """Next-token prediction over data.seq_len tokens, with the plain head (logits, then
+    cross-entropy) or the fused chunked head (checkpointing.head=chunked)."""
+
+    language_model = True
+
+    def head_chunk(self, m: ModelConfig, head: CheckpointingConfig) -> Optional[int]:
+        """Tokens per chunk of the fused chunked head; None for the plain head."""
+        if head.head != "chunked":
+            return None
+        if head.head_chunk_tokens is not None:
+            return head.head_chunk_tokens
+        return default_chunk_tokens(self.vocab_size(m), head.head_budget_mib * 2**20)
+
+    def task(self, m: ModelConfig, seq_len: int, summed: bool,
+             head: CheckpointingConfig) -> Task:
+        from trainer.models.llama import next_token_loss, next_token_loss_sum
+
+        criterion = next_token_loss_sum if summed else next_token_loss
+        return Task("lm", (seq_len,), seq_len, criterion, summed=summed,
+                    head_chunk=self.head_chunk(m, head))
+
+
+class ImageClassifier(Family):
+    """A class per square image of model.image_size pixels, seen as patch tokens; the head is a
+    small classifier, always plain."""
+
+    language_model = False
+
+    def task(self, m: ModelConfig, seq_len: int, summed: bool,
+             head: CheckpointingConfig) -> Task:
+        from trainer.models.vit import class_loss
+
+        side = m.image_size // m.patch_size
+        return Task("classification", (m.channels, m.image_size, m.image_size), side * side,
+                    class_loss)

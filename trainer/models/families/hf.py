@@ -1,0 +1,98 @@
+"""Hugging Face causal language models (`model.arch=hf`, trainer/models/hf.py): any
+AutoModelForCausalLM, from a local pretrained folder (model.path) or built from model.hf_config;
+its shapes, vocabulary and dropout are the HF config's. Its attention goes through transformers'
+attention registry (AttentionInterface), which is where wrap_attention reaches it."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
+
+from trainer.config import ConfigError, ModelConfig, require
+from trainer.models.families.base import LanguageModel
+from trainer.models.hf_settings import check_hf_source, hf_fields
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# HF config fields that change the logits beyond hidden @ W.T: the fused head cannot apply them.
+LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+class HFCausalLM(LanguageModel):
+    arch = "hf"
+    vocab_key = "model.hf_config"
+
+    def validate(self, m: ModelConfig) -> None:
+        check_hf_source(m)
+        require(m.dropout == 0, "model.dropout",
+                "unused with model.arch=hf; set the HF config's own dropout fields instead")
+
+    def vocab_size(self, m: ModelConfig) -> int:
+        # 32000 is what transformers' Llama config defaults to when vocab_size is not given.
+        return int(hf_fields(m).get("vocab_size", 32000))
+
+    def own_tokenizer(self, m: ModelConfig) -> Optional[str]:
+        return m.path
+
+    def preflight(self, m: ModelConfig) -> None:
+        """The model type is one transformers knows, and it has a causal LM."""
+        model_type = hf_fields(m).get("model_type")
+        key = "model.hf_config.model_type" if m.path is None else "model.path"
+        where = "" if m.path is None else f"{os.path.join(m.path, 'config.json')}: "
+        if not isinstance(model_type, str):
+            raise ConfigError(key, f"{where}no model_type (e.g. llama, gpt2, qwen2)")
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        if model_type not in CONFIG_MAPPING_NAMES:
+            close = difflib.get_close_matches(model_type, causal, 3)
+            raise ConfigError(key, f"{where}model_type {model_type!r} is not one transformers "
+                              "knows" + (f"; did you mean {', '.join(close)}?" if close else
+                                         " (e.g. llama, gpt2, qwen2, mistral)"))
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ConfigError(key, f"{where}model_type {model_type!r} has no causal language "
+                              "model in transformers (model=hf trains AutoModelForCausalLM)")
+
+    def build_on_meta(self, m: ModelConfig) -> nn.Module:
+        from trainer.models.hf import build_hf_on_meta
+
+        return build_hf_on_meta(m.hf_config, m.path, attn_implementation=m.attn_implementation)
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        from trainer.models.hf import hf_attention_modules
+
+        return hf_attention_modules(model.hf)
+
+    def wrap_attention(self, model: nn.Module, wrap: Callable) -> int:
+        from trainer.models.hf import wrap_hf_attention
+
+        return wrap_hf_attention(model.hf, wrap)
+
+    def check_fused_head(self, m: ModelConfig) -> None:
+        hf = self.build_on_meta(m).hf
+        bent = [f for f in LOGIT_FIELDS if getattr(hf.config, f, None) not in (None, 1, 1.0)]
+        if bent:
+            raise ConfigError("checkpointing.head", f"chunked computes logits as hidden @ W.T; "
+                              f"this {hf.config.model_type} model also applies "
+                              f"{', '.join(bent)}: use checkpointing.head=plain")
+        head = hf.get_output_embeddings()
+        if head is None or getattr(head, "bias", None) is not None or head.weight.dim() != 2:
+            raise ConfigError("checkpointing.head", "chunked needs the model's output projection "
+                              "(get_output_embeddings(): a Linear without bias); this model has "
+                              f"{type(head).__name__ if head is not None else 'none'}: use "
+                              "checkpointing.head=plain")
+
+    def export(self, tensors: Mapping[str, torch.Tensor], model: Mapping, out: str, step: int,
+               checkpoint: str) -> str:
+        """A folder `from_pretrained` loads: HF names and the HF config."""
+        from trainer.models.hf import save_pretrained
+
+        save_pretrained(tensors, model.get("hf_config"), model.get("path"), out)
+        return out
+
+
+FAMILY = HFCausalLM()
