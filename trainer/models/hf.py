@@ -105,6 +105,10 @@ class HFWrapper(BufferKeeper):
 
 
 class HFCausalLM(HFWrapper):
+    # Sequence parallel (families/hf.py's sequence_parallel): the ranks sharing each sample and
+    # the attention implementation the wrapped one stands for ("sdpa" or "eager").
+    sequence_group = None
+    sequence_implementation = "sdpa"
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 targets: Optional[torch.Tensor] = None,
@@ -118,6 +122,8 @@ class HFCausalLM(HFWrapper):
         the fused chunked head; HF's own logits and loss are never made."""
         # Without positions the call is exactly the unpacked one (HF makes its own arange).
         extra = {} if positions is None else {"position_ids": positions}
+        if self.sequence_group is not None:
+            extra = self._sequence_parallel(tokens, positions)
         if targets is not None and chunk_tokens is not None:
             return self._chunked_loss(tokens, extra, targets, chunk_tokens)
         if tokens.device.type == "meta":
@@ -129,6 +135,22 @@ class HFCausalLM(HFWrapper):
             with FakeTensorMode(allow_non_fake_inputs=True), _masks_as_in_training():
                 return self.hf(input_ids=tokens, use_cache=False, **extra).logits
         return self.hf(input_ids=tokens, use_cache=False, **extra).logits
+
+    def _sequence_parallel(self, tokens: torch.Tensor,
+                           positions: Optional[torch.Tensor]) -> dict:
+        """HF's keyword arguments for this rank's slice: the global positions of its tokens
+        (rotary angles of the whole sequence) and the whole sequence's mask, which the wrapped
+        attention takes instead of HF's slice-sized one (trainer/models/sequence_parallel.py).
+        `positions`: the slice of the packed positions, or None (unpacked rows)."""
+        from trainer.models.sequence_parallel import (SEQUENCE_MASK, global_positions,
+                                                      group_place, hf_whole_mask)
+
+        _, degree = group_place(self.sequence_group)
+        dtype = self.hf.get_input_embeddings().weight.dtype
+        mask = hf_whole_mask(positions, self.sequence_group, tokens.shape[1] * degree,
+                             self.sequence_implementation, dtype, tokens.device)
+        local = global_positions(tokens, self.sequence_group) if positions is None else positions
+        return {"position_ids": local, SEQUENCE_MASK: mask}
 
     def _chunked_loss(self, tokens: torch.Tensor, extra: dict, targets: torch.Tensor,
                       chunk_tokens: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 from checkpointing.head import chunked_linear_cross_entropy
 from trainer.models.doc_attention import (DocumentMask, check_positions, choose_backend,
                                     document_mask, masked_attention)
+from trainer.models.sequence_parallel import group_place, whole_positions
 from trainer.models.rope import Rope, apply_rope, rope_at, rope_cos_sin  # noqa: F401 (tests)
 
 IGNORE_INDEX = -100  # targets with this value (prompt tokens, padding) carry no loss
@@ -170,6 +171,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # The ranks sharing each sample (families/llama.py's sequence_parallel); None: alone.
+        self.sequence_group = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -198,10 +201,15 @@ class Llama(nn.Module):
         With ``targets`` and ``chunk_tokens`` (checkpointing.head=chunked): the summed
         next-token loss instead, from the fused chunked head (checkpointing/head.py), which
         never holds the whole logits. Inside this forward the output weight is whole under
-        FSDP (the root's parameters are gathered once for it), tied or not."""
+        FSDP (the root's parameters are gathered once for it), tied or not.
+
+        Sequence parallel (``sequence_group`` set): ``tokens``, ``positions`` and ``targets``
+        are this rank's contiguous slice of each row; the result is that slice of the
+        whole-sequence result (trainer/models/sequence_parallel.py)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
-        seq_len = tokens.shape[1]
+        rank, degree = group_place(self.sequence_group)
+        seq_len = tokens.shape[1] * degree
         if seq_len > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds the model's max_seq_len="
@@ -210,6 +218,9 @@ class Llama(nn.Module):
         hidden = self.tok_embeddings(tokens)
         if positions is None:
             rope = rope_cos_sin(self.args.head_dim, seq_len, self.args.rope_theta, tokens.device)
+            if degree > 1:  # the angles of this rank's slice of the whole sequence
+                local = tokens.shape[1]
+                rope = tuple(t[rank * local:(rank + 1) * local] for t in rope)
             masked: tuple = ()  # blocks are called with (hidden, rope), as before packing
         else:
             check_positions(tokens, positions)
@@ -217,7 +228,7 @@ class Llama(nn.Module):
             backend = choose_backend(self.args.packed_attention, tokens.device,
                                      self.training and self.args.dropout > 0)
             # Built once and shared: it is O(B * T * T) (sdpa) or a compiled pass (flex).
-            masked = (document_mask(positions, backend),)
+            masked = (document_mask(whole_positions(positions, self.sequence_group), backend),)
         for block in self.layers:
             hidden = block(hidden, rope, *masked)
         if targets is not None and chunk_tokens is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from checkpointing.plan import default_chunk_tokens
-from trainer.config import CheckpointingConfig, ModelConfig
+from trainer.config import CheckpointingConfig, ConfigError, ModelConfig
 
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default)
 
@@ -141,6 +141,18 @@ class Family:
     def flops_per_token(self, m: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
         """Training FLOPs per token (forward and backward), for MFU."""
         return model.flops_per_token(tokens_per_sample)
+
+    # Sequence parallelism (sharding.sequence, trainer/models/sequence_parallel.py).
+    def check_sequence_parallel(self, m: ModelConfig) -> None:
+        """Refuse, with the ConfigError naming the key, a model this family cannot run
+        sequence-parallel (the degree's own checks are sharding/sequence.py's)."""
+        raise ConfigError("sharding.sequence", f"model.arch={self.arch} has no sequence "
+                          "parallelism (llama and hf have)")
+
+    def sequence_parallel(self, model: nn.Module, group: torch.distributed.ProcessGroup) -> int:
+        """Make `model` run sequence-parallel over `group`; returns the attention modules
+        wrapped. Once per model, before or after FSDP; see the subclass for its contract."""
+        raise NotImplementedError(f"model.arch={self.arch} has no sequence parallelism")
 
     # Task, head and loss.
     def task(self, m: ModelConfig, seq_len: int, summed: bool,

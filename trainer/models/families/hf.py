@@ -72,6 +72,45 @@ class HFCausalLM(LanguageModel):
 
         return wrap_hf_attention(model.hf, wrap)
 
+    def check_sequence_parallel(self, m: ModelConfig) -> None:
+        """Sequence parallelism reaches an HF model only through transformers' attention
+        registry, with an implementation whose whole-sequence mask it builds (sdpa, eager);
+        anything else is refused naming model.attn_implementation."""
+        from trainer.models.sequence_parallel import HF_IMPLEMENTATIONS
+
+        key = "model.attn_implementation"
+        if m.attn_implementation not in HF_IMPLEMENTATIONS:
+            raise ConfigError(key, f"{m.attn_implementation!r} cannot run sequence-parallel; "
+                              f"use one of {', '.join(HF_IMPLEMENTATIONS)}")
+        model = self.build_on_meta(m)
+        layers = getattr(model.hf.config, "num_hidden_layers", None)
+        found = len(self.attention_modules(model))
+        if found == 0 or (layers is not None and found != layers):
+            raise ConfigError(key, f"this {model.hf.config.model_type} model's attention does "
+                              f"not go through transformers' attention registry in every layer "
+                              f"({found} of {layers}); it cannot run sequence-parallel")
+
+    def sequence_parallel(self, model: nn.Module, group) -> int:
+        """As the built-in Llama's (families/llama.py): every attention module's registered
+        function runs inside Ulysses' all-to-all, with the whole sequence's mask instead of
+        HF's slice-sized one; `positions` are the slice of the packed positions, or None for
+        unpacked rows (the model passes the slice's global positions as position_ids). The
+        model's implementation must pass check_sequence_parallel, and the group must divide
+        its KV heads. Returns the attention modules wrapped."""
+        from trainer.models.sequence_parallel import HF_IMPLEMENTATIONS, hf_ulysses_wrap
+
+        implementation = model.hf.config._attn_implementation
+        if implementation not in HF_IMPLEMENTATIONS:
+            raise ConfigError("model.attn_implementation", f"{implementation!r} cannot run "
+                              f"sequence-parallel; use one of {', '.join(HF_IMPLEMENTATIONS)}")
+        wrapped = self.wrap_attention(model, hf_ulysses_wrap(group))
+        if wrapped == 0:
+            raise ConfigError("model.attn_implementation", "this model's attention does not "
+                              "go through transformers' attention registry")
+        model.sequence_implementation = implementation
+        model.sequence_group = group
+        return wrapped
+
     def check_fused_head(self, m: ModelConfig) -> None:
         hf = self.build_on_meta(m).hf
         bent = [f for f in LOGIT_FIELDS if getattr(hf.config, f, None) not in (None, 1, 1.0)]

@@ -10,6 +10,7 @@ from trainer.models.families.base import LanguageModel
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.distributed import ProcessGroup
 
     from trainer.models.llama import LlamaArgs
 
@@ -36,6 +37,27 @@ class Llama(LanguageModel):
         from trainer.models.llama import Attention
 
         return [module for module in model.modules() if isinstance(module, Attention)]
+
+    def check_sequence_parallel(self, m: ModelConfig) -> None:
+        """Every built-in Llama attends through its `attend` hook: nothing to refuse here."""
+
+    def sequence_parallel(self, model: nn.Module, group: ProcessGroup) -> int:
+        """Run `model` sequence-parallel over `group` (N ranks sharing each sample): every
+        block's attention is wrapped in Ulysses' all-to-all (sharding/sequence.py) and the
+        model remembers the group. From then on, rank r of the group calls the model as before
+        (`model(tokens, positions=..., targets=..., chunk_tokens=...)`) with its contiguous
+        slice r of each row, of width T/N: tokens, targets and, for packed rows, the slice of
+        the packed positions (the model gathers the whole sequence's positions for the document
+        mask). The result is that slice of the whole-sequence forward: logits [B, T/N, vocab],
+        or the chunked head's loss summed over the slice's targets; the caller divides by the
+        global supervised count and sums gradients over the group (FSDP's reduce does when the
+        group is inside its mesh). Exact except attention dropout, which draws other masks (see
+        trainer/models/sequence_parallel.py). Returns the attention modules wrapped."""
+        from trainer.models.sequence_parallel import ulysses_wrap
+
+        wrapped = self.wrap_attention(model, ulysses_wrap(group))
+        model.sequence_group = group
+        return wrapped
 
     def flops_per_token(self, m: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
         from trainer.models.llama import flops_per_token
