@@ -190,9 +190,9 @@ class Trainer:
             cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
         self.cfg, self.layout, self.run_dir, self.denv = cfg, layout, run_dir, denv
         self.device, t, lg = denv.device, cfg.train, cfg.logging
-        self.meter = SavedBytesMeter()
+        meter = SavedBytesMeter()  # what the forwards keep on the device for backward
         self.built = built = build_model(
-            cfg, denv, layout.replicate, self.meter, run_dir,
+            cfg, denv, layout.replicate, meter, run_dir,
             None if decision is None else (decision.plan, decision.profiles))
         built.decision = decision
         # What run() closes on every way out, the last made first; here if a part fails.
@@ -204,8 +204,8 @@ class Trainer:
             self.model_state = ModelState(built.model, optimizer,
                                           build_scheduler(optimizer, cfg.optim, t.steps))
             self.task = task_for(cfg.model, cfg.data, cfg.checkpointing)
-            self.guard = LossGuard(cfg.faults.skip_nonfinite, cfg.faults.max_bad_steps,
-                                   cfg.faults.spike_factor, cfg.faults.spike_window)
+            guard = LossGuard(cfg.faults.skip_nonfinite, cfg.faults.max_bad_steps,
+                              cfg.faults.spike_factor, cfg.faults.spike_window)
             self.checkpointer = Checkpointer(_checkpoint_dir(cfg, run_dir), cfg.save.keep,
                                              cfg.save.async_save, denv.rank, denv.world_size,
                                              self.device, dataclasses.asdict(cfg.model))
@@ -230,20 +230,20 @@ class Trainer:
                                      self.alerts)
             self._announce()
             self.steplog = StepLog(lg, t.steps, self.logger, self.alerts, self._shape(),
-                                   Gauges(self.device, self.meter, built.offloader),
+                                   Gauges(self.device, meter, built.offloader),
                                    Startup(built.build_s, built.started, built.compiled_blocks,
                                            self.progress.step), predicted)
             self.evaluation = Evaluation(t, resumed is None, built.model, self.data.val,
                                          self.task, self.device, self.logger)
             if resumed is not None:
                 self.logger.info(resumed[1])
-            self.rollback = Rollback(self.checkpointer, self.model_state, self.guard,
-                                     self.logger, self.alerts, cfg.faults.max_rollbacks)
+            self.rollback = Rollback(self.checkpointer, self.model_state, guard, self.logger,
+                                     self.alerts, cfg.faults.max_rollbacks)
             self.saves = SaveSchedule(cfg.save, t.steps, self.checkpointer, self.watchdog,
                                       RunRecord(layout, cfg, run_dir))
             self.stops = StopVote(self.preemption, self.checkpointer, t.stop_at_step, t.steps)
-            self.step_parts = StepParts(self.model_state, cfg.optim.grad_clip, self.meter,
-                                        built.offloader, self.guard, self.stops)
+            self.step_parts = StepParts(self.model_state, cfg.optim.grad_clip, meter,
+                                        built.offloader, guard, self.stops)
             self.run_started, self.first_step = time.monotonic(), self.progress.step
         except BaseException:
             self.closing.close()

@@ -30,16 +30,11 @@ class ModelFacts:
     """What the data needs to know of the model that reads it."""
     vocab_size: int  # the vocabulary the model embeds: token ids must stay below it
     vocab_key: str  # the setting that sets it
-    path: Optional[str] = None  # model.path: a pretrained model's folder, with its tokenizer
-    own_tokenizer: bool = False  # a tokenizer comes with model.path (model=hf)
+    tokenizer: Optional[str] = None  # the model's own tokenizer (model=hf with model.path)
+    path: Optional[str] = None  # model.path, where documents' tokenizer is looked for last
     image_size: int = 0
     channels: int = 0
     num_classes: int = 0
-
-    @property
-    def tokenizer(self) -> Optional[str]:
-        """The tokenizer documents are read with when data.tokenizer is not set."""
-        return self.path if self.own_tokenizer else None
 
 
 class Source:
