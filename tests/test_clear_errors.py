@@ -88,7 +88,7 @@ def test_mistakes_found_before_the_run_directory_is_made(tmp_path) -> None:
 
 def test_token_range_comes_from_meta_json_when_the_tokenizer_recorded_it(tmp_path) -> None:
     from trainer.data.tokens import token_file
-    from trainer.preflight.precheck import largest_token_id
+    from trainer.data.token_source import largest_token_id
 
     folder = _token_dir(tmp_path, [5, 7, 9])
     tokens = token_file(str(folder / "train.bin"), "uint16")

@@ -142,7 +142,10 @@ def test_images_follow_the_pretrained_models_preprocessing(tmp_path) -> None:
     from transformers import ViTImageProcessor
 
     from trainer.config import DataConfig
-    from trainer.task import build_task_datasets
+    from trainer.data.batches import Sampling
+    from trainer.data.factory import source_of
+    from trainer.models.families import family_of
+    from trainer.validate import model_facts
 
     folder, _ = _pretrained_folder(tmp_path, image_size=32, num_classes=2)
     ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3,
@@ -152,7 +155,8 @@ def test_images_follow_the_pretrained_models_preprocessing(tmp_path) -> None:
     for path, mean in ((str(folder), 0.5), (None, None)):
         model = config("model=hf_vision", "model.image_size=32", "model.num_classes=2",
                        f"model.path={path}" if path else f"model.hf_config={VIT}").model
-        train, _ = build_task_datasets(model, data, 0, 0)
+        train, _ = source_of(data).datasets(data, model_facts(model), Sampling(0, 1, 1, 1, 0, 1),
+                                            family_of(model).image_preprocessing(model))
         image, _ = train[0]
         if mean is not None:
             assert train.resample == 2

@@ -29,10 +29,11 @@ from trainer.build import build_model, build_on_meta, find_model_blocks
 from trainer.cli import check
 from trainer.config import DEFAULT_SAVE_OPS
 from trainer.faults import LossGuard
-from trainer.loop import train_step
+from trainer.loop import StepParts, train_step
 from trainer.models.families.llama import llama_args
 from trainer.models.llama import build_llama, lm_loss
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.state.resume import ModelState
 from trainer.task import task_for
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -160,17 +161,17 @@ def _measured_step(overrides: list[str], world: int = 1) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
     generator = torch.Generator().manual_seed(denv.rank)
     guard = LossGuard(skip_nonfinite=True, max_bad=3, spike_factor=0, window=10)
+    parts = StepParts(ModelState(built.model, optimizer, scheduler), 1.0, meter, built.offloader,
+                      guard)
     task = task_for(cfg.model, cfg.data, cfg.checkpointing)
     for step in range(2):
         inputs = _random_batch(cfg, task, generator)
         batches = [inputs[-2:]]
         if step == 0:
-            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader,
-                       guard, task.loss)
+            train_step(parts, batches, task.loss)
             continue
         with LiveTensorBytes(tensors_of(built.model, optimizer) + list(inputs)) as live:
-            train_step(built.model, optimizer, scheduler, batches, 1.0, meter, built.offloader,
-                       guard, task.loss)
+            train_step(parts, batches, task.loss)
     return {"act_saved_bytes": meter.peak, "peak": live.peak,
             "plan": [p.recompute for p in built.plan]}
 

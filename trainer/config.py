@@ -10,6 +10,8 @@ exists.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -32,6 +34,27 @@ def require(cond: bool, key: str, message: str) -> None:
     """Raise the ConfigError naming `key` unless `cond` holds."""
     if not cond:
         raise ConfigError(key, message)
+
+
+def check_writable(path: str, key: str) -> None:
+    """The nearest existing folder on the way to `path` must be writable, so the run can create it."""
+    probe = os.path.abspath(path)
+    require(not os.path.exists(probe) or os.path.isdir(probe), key,
+            f"{path} exists and is not a folder; choose a folder")
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    writable = os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
+    if writable:  # access() says yes to root even on read-only file systems: really try
+        try:
+            fd, name = tempfile.mkstemp(prefix=".blocktrain-probe-", dir=probe)
+            os.close(fd)
+            os.unlink(name)
+        except OSError:
+            writable = False
+    require(writable, key, f"{path} is not writable (checked {probe}); choose a writable folder")
 
 
 @dataclass

@@ -197,13 +197,13 @@ class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message names the rank and the operation."""
 
 
-class Collectives:
-    """`with collectives("saving step 8"):` a timed-out or broken collective inside becomes a
-    CollectiveFailure naming this rank and the operation (and `alert` hears it first)."""
+class TimeoutWatchdog:
+    """`with watchdog("saving step 8"):` a timed-out or broken collective inside becomes a
+    CollectiveFailure naming this rank, the operation and the timeout to change (the Trainer
+    raises the alert on its way out)."""
 
-    def __init__(self, rank: int, timeout_s: int,
-                 alert: Optional[Callable[[str], object]] = None) -> None:
-        self.rank, self.timeout_s, self.alert = rank, timeout_s, alert
+    def __init__(self, rank: int, timeout_s: int) -> None:
+        self.rank, self.timeout_s = rank, timeout_s
 
     @contextlib.contextmanager
     def __call__(self, operation: str) -> Iterator[None]:
@@ -213,10 +213,7 @@ class Collectives:
             raise
         except Exception as error:
             if is_collective_failure(error):
-                failure = name_failure(error, self.rank, operation, self.timeout_s)
-                if self.alert is not None:
-                    self.alert(str(failure))
-                raise failure from error
+                raise name_failure(error, self.rank, operation, self.timeout_s) from error
             raise
 
 

@@ -2,10 +2,11 @@
 part: take the batch, train the step, log, evaluate, vote, save.
 
 Each part decides its own timing (`StepLog.should_log`, `Evaluation.should_evaluate`,
-`Saver.should_save`, `StopVote.decide`), and a part that is off does nothing, so the loop tests no
-settings. Ranks other than 0 hold a logger that drops what it is given, so the loop has no rank
-checks either. Resume and rollback live in trainer/state/, alerts and the dashboard in
-trainer/observe/, faults in trainer/faults.py.
+`SaveSchedule.should_save`, `StopVote.decide`), and a part that is off does nothing, so the loop
+tests no settings. Ranks other than 0 hold a logger that drops what it is given, so the loop has
+no rank checks either. The data is one `Data` (trainer/data/), whatever its source. Resume and
+rollback live in trainer/state/, alerts and the dashboard in trainer/observe/, faults in
+trainer/faults.py.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import gc
 import logging
 import os
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from checkpointing.plan import (describe, head_line, head_row, head_table_row, plan_rows,
                                 plan_table, plan_to_json)
@@ -32,11 +33,11 @@ from offload.heap import steady_thresholds
 from sharding.fsdp import set_grad_sync
 from trainer.build import build_model
 from trainer.config import Config
-from trainer.data.prefetch import Prefetcher
-from trainer.data.tokens import step_counts, train_batch, val_batches
+from trainer.data.batches import Sampling
+from trainer.data.factory import open_data
 from trainer.distenv import DistEnv, init_distributed, mean_and_sums, read_env, shutdown
-from trainer.faults import (Collectives, LossFn, LossGuard, PreemptionSignal, StopVote, Verdict,
-                            injected_loss)
+from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, StopVote,
+                            TimeoutWatchdog, Verdict, injected_loss)
 from trainer.preflight.auto_plan import fitting, rows as fit_rows, table as fit_table
 from trainer.preflight.auto_run import DECISION_FILE as FIT_FILE, fit_run
 from trainer.models.families import family_of
@@ -44,29 +45,37 @@ from trainer.models.llama import lm_loss
 from trainer.observe.dashboard import end_of_run, start_logging, start_of_run
 from trainer.observe.evaluate import Evaluation
 from trainer.observe.metrics import peak_memory_bytes, run_summary, summary_fields
-from trainer.observe.steplog import StepLog, StepShape, Startup
-from trainer.observe.watch import Alerts, ThroughputWatch, bad_step
+from trainer.observe.steplog import Gauges, StepLog, StepShape, Startup
+from trainer.observe.watch import Alerts
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from trainer.state.checkpoint import Checkpointer, clear_stopped, mark_stopped
 from trainer.state.ownership import own_run_dir
-from trainer.state.resume import Progress, resume, train_state
-from trainer.state.saver import Saver
-from trainer.task import build_task_datasets, task_for
-from trainer.validate import Layout
+from trainer.state.resume import ModelState, Progress, RunRecord, resume
+from trainer.state.rollback import Rollback
+from trainer.state.schedule import SaveSchedule
+from trainer.task import task_for
+from trainer.validate import Layout, model_facts
 
 log = logging.getLogger("trainer")
 INTERRUPTED_EXIT = 130  # the shell's status for a command stopped by Ctrl-C
 Batch = tuple[torch.Tensor, ...]  # (inputs, targets), or packed: (inputs, targets, positions)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-               micro_batches: Sequence[Batch], grad_clip: float, meter: SavedBytesMeter,
-               offloader: Optional[Offloader], guard: LossGuard,
-               loss_fn: LossFn = lm_loss, normaliser: Optional[int] = None,
-               ballot: Callable[[], Sequence[int]] = list,
-               ) -> tuple[float, float, Verdict, list[int]]:
+@dataclass(frozen=True)
+class StepParts:
+    """What every optimizer step uses, built once."""
+    model: ModelState  # the model, its optimizer and learning-rate schedule
+    grad_clip: float
+    meter: SavedBytesMeter  # counts what a forward keeps on the device for backward
+    offloader: Optional[Offloader]
+    guard: LossGuard
+    vote: Optional[StopVote] = None  # its ballot rides on the step's one all-reduce
+
+
+def train_step(parts: StepParts, micro_batches: Sequence[Batch], loss_fn: LossFn = lm_loss,
+               normaliser: Optional[int] = None) -> tuple[float, float, Verdict, list[int]]:
     """One optimizer step over this rank's micro-batches; returns (loss, grad norm, verdict,
-    the ballots summed over the ranks: StopVote.ballot, read after the backward).
+    the stop vote's ballots summed over the ranks: read after the backward).
 
     normaliser: for a loss summed over supervised targets (packed documents), their count in
     the whole global batch, so that the loss is their mean whatever the micro-batches and
@@ -75,6 +84,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     The update is applied only if the guard accepts the step; it judges the loss averaged over
     ranks and the global gradient norm, so every rank decides the same.
     """
+    model, optimizer = parts.model.model, parts.model.optimizer
     world = dist.get_world_size() if dist.is_initialized() else 1
     last = len(micro_batches) - 1
     # Accumulating: the sum of the micro-batches' losses from zero. One micro-batch: its loss
@@ -86,8 +96,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
             # Set where it changes only: the setter walks every module (~350 Python calls), and
             # without accumulation it stays at its default, on.
             set_grad_sync(model, i == last)
-        with offload_micro_batch(offloader):  # planned blocks' activations leave the device
-            with meter.measure():  # counts what this forward keeps on the device for backward
+        with offload_micro_batch(parts.offloader):  # planned blocks' activations leave the device
+            with parts.meter.measure():  # counts what this forward keeps on the device for backward
                 loss = loss_fn(model, *batch)
                 if normaliser is not None:
                     loss = loss * (world / max(normaliser, 1))
@@ -98,16 +108,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
             total_loss += loss.detach()
         else:
             total_loss = loss.detach()
-    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    grad_norm = clip_grad_norm(model.parameters(), parts.grad_clip)
     # The guard needs both before the update: read together, one wait for the device.
     # (FSDP's CPU offload leaves the norm in host memory: it joins the loss on the device.)
     local_loss, norm_value = torch.stack([total_loss, grad_norm.to(total_loss.device)]).tolist()
     # One collective: the loss's mean over the ranks and the stop vote, in host memory.
-    loss_value, ballots = mean_and_sums(local_loss, ballot(), total_loss.dtype)
-    verdict = guard.judge(loss_value, norm_value)
+    ballot = parts.vote.ballot() if parts.vote is not None else []
+    loss_value, ballots = mean_and_sums(local_loss, ballot, total_loss.dtype)
+    verdict = parts.guard.judge(loss_value, norm_value)
     if verdict.ok:
         optimizer.step()
-        scheduler.step()
+        parts.model.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_value, norm_value, verdict, ballots
 
@@ -169,61 +180,74 @@ def _checkpoint_dir(cfg: Config, run_dir: str) -> str:
 
 
 class Trainer:
-    """One run on one rank: `__init__` builds every part once, `run()` is the step loop."""
+    """One run on one rank: `__init__` builds every part once and resumes where the run stands,
+    `run()` is the step loop. The parts are whole when made, and none calls back into the
+    Trainer."""
 
     def __init__(self, cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
         decision = None
         if fitting(cfg):  # checkpointing=auto or micro_batch_size=auto: decide, then build
             cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
         self.cfg, self.layout, self.run_dir, self.denv = cfg, layout, run_dir, denv
-        self.device, t = denv.device, cfg.train
-        self.meter = SavedBytesMeter()
-        self.built = build_model(cfg, denv, layout.replicate, self.meter, run_dir,
-                                 None if decision is None else (decision.plan, decision.profiles))
-        self.built.decision = decision
-        self.model = self.built.model
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
-        self.task = task_for(cfg.model, cfg.data, cfg.checkpointing)
-        self.guard = LossGuard(cfg.faults.skip_nonfinite, cfg.faults.max_bad_steps,
-                               cfg.faults.spike_factor, cfg.faults.spike_window)
-        self.checkpointer = Checkpointer(_checkpoint_dir(cfg, run_dir), cfg.save.keep,
-                                         cfg.save.async_save, denv.rank, denv.world_size,
-                                         self.device, dataclasses.asdict(cfg.model))
-        self.train_set, val_set = build_task_datasets(
-            cfg.model, cfg.data, family_of(cfg.model).vocab_size(cfg.model), t.seed,
-            denv.local_rank == 0,
-            (denv.rank, denv.world_size, t.micro_batch_size, layout.grad_accum))
-        self.batches = Prefetcher(self._read_batch, cfg.data.workers)
-        self.val_data = val_batches(val_set, t.eval_batches, t.micro_batch_size, denv.rank,
-                                    denv.world_size)
-        # Built last, being what run() closes on every way out. Under torchrun, a worker whose
-        # agent was killed (kill -9 leaves no one to stop it) saves and stops by itself.
-        self.preemption = PreemptionSignal(cfg.save.signal, announce=denv.is_main,
-                                           watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
-        self.collectives = Collectives(denv.rank, t.dist_timeout_s, self._timed_out)
-        self.saver = Saver(self.checkpointer, cfg.save.every, cfg.save.at_end, t.steps,
-                           self.collectives)
-        self.stops = StopVote(self.preemption, self.checkpointer, t.stop_at_step, t.steps)
-
-    def _read_batch(self, index: int) -> tuple[list[Batch], Optional[tuple[int, int]]]:
-        """This rank's micro-batches of step `index`, and (supervised, real) tokens of the
-        step where the data counts them: the global batch's (packed windows), or this rank's
-        share (a stream)."""
-        t, d = self.cfg.train, self.denv
-        if self.cfg.data.streaming:
-            return self.train_set.read(index)
-        return (train_batch(self.train_set, index, t.micro_batch_size, self.layout.grad_accum,
-                            d.rank, d.world_size, t.seed),
-                step_counts(self.train_set, index, self.layout.global_batch_size, t.seed))
-
-    def _global_counts(self, counts: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
-        """A stream's per-rank counts summed over the ranks (one small all-reduce)."""
-        if not self.cfg.data.streaming or not dist.is_initialized():
-            return counts
-        total = torch.tensor(counts, dtype=torch.int64, device=self.device)
-        dist.all_reduce(total)
-        return int(total[0]), int(total[1])
+        self.device, t, lg = denv.device, cfg.train, cfg.logging
+        meter = SavedBytesMeter()  # what the forwards keep on the device for backward
+        self.built = built = build_model(
+            cfg, denv, layout.replicate, meter, run_dir,
+            None if decision is None else (decision.plan, decision.profiles))
+        built.decision = decision
+        # What run() closes on every way out, the last made first; here if a part fails.
+        self.closing = contextlib.ExitStack()
+        self.closing.callback(close_offloader, built.offloader,
+                              own_parent=cfg.offload.dir is None)  # joins its threads
+        try:
+            optimizer = build_optimizer(built.model, cfg.optim)
+            self.model_state = ModelState(built.model, optimizer,
+                                          build_scheduler(optimizer, cfg.optim, t.steps))
+            self.task = task_for(cfg.model, cfg.data, cfg.checkpointing)
+            guard = LossGuard(cfg.faults.skip_nonfinite, cfg.faults.max_bad_steps,
+                              cfg.faults.spike_factor, cfg.faults.spike_window)
+            self.checkpointer = Checkpointer(_checkpoint_dir(cfg, run_dir), cfg.save.keep,
+                                             cfg.save.async_save, denv.rank, denv.world_size,
+                                             self.device, dataclasses.asdict(cfg.model))
+            self.watchdog = TimeoutWatchdog(denv.rank, t.dist_timeout_s)
+            self.data = open_data(cfg.data, model_facts(cfg.model), Sampling(
+                denv.rank, denv.world_size, t.micro_batch_size, layout.grad_accum, t.seed,
+                t.eval_batches, preparer=denv.local_rank == 0),
+                family_of(cfg.model).image_preprocessing(cfg.model), self.device, self.watchdog)
+            self.closing.callback(self.data.close)
+            # Under torchrun, a worker whose agent was killed (kill -9 leaves no one to stop
+            # it) saves and stops by itself.
+            self.preemption = PreemptionSignal(cfg.save.signal, announce=denv.is_main,
+                                               watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
+            self.closing.callback(self.preemption.restore)
+            resumed = resume(self.checkpointer, self.model_state, layout, cfg, denv.rank,
+                             self.data) if cfg.save.resume else None
+            self.progress = Progress() if resumed is None else resumed[0]
+            self.logger = start_logging(cfg, denv, run_dir, self.progress.step)
+            self.logger.start_step = self.progress.batch_index
+            self.alerts = Alerts(self.logger, lg.alert_interval_s)
+            predicted = start_of_run(self.logger, cfg, built, layout, denv, run_dir, resumed,
+                                     self.alerts)
+            self._announce()
+            self.steplog = StepLog(lg, t.steps, self.logger, self.alerts, self._shape(),
+                                   Gauges(self.device, meter, built.offloader),
+                                   Startup(built.build_s, built.started, built.compiled_blocks,
+                                           self.progress.step), predicted)
+            self.evaluation = Evaluation(t, resumed is None, built.model, self.data.val,
+                                         self.task, self.device, self.logger)
+            if resumed is not None:
+                self.logger.info(resumed[1])
+            self.rollback = Rollback(self.checkpointer, self.model_state, guard, self.logger,
+                                     self.alerts, cfg.faults.max_rollbacks)
+            self.saves = SaveSchedule(cfg.save, t.steps, self.checkpointer, self.watchdog,
+                                      RunRecord(layout, cfg, run_dir))
+            self.stops = StopVote(self.preemption, self.checkpointer, t.stop_at_step, t.steps)
+            self.step_parts = StepParts(self.model_state, cfg.optim.grad_clip, meter,
+                                        built.offloader, guard, self.stops)
+            self.run_started, self.first_step = time.monotonic(), self.progress.step
+        except BaseException:
+            self.closing.close()
+            raise
 
     def _loss_for(self, batch_index: int) -> LossFn:
         """The task's loss, or a fault injected for tests and drills (faults.inject_*)."""
@@ -232,97 +256,51 @@ class Trainer:
                              f.inject_hang_at, 2.0 * t.dist_timeout_s, self.denv.rank,
                              self.denv.world_size, f.inject_slow_at, f.inject_slow_s)
 
-    def _timed_out(self, text: str) -> None:
-        self.alerts.fire("collective_timeout", self.progress.step + 1, text, "ERROR",
-                         self.progress.batch_index)
-
-    def _train_state(self) -> dict:
-        return train_state(self.progress, self.scheduler, self.layout, self.cfg, self.run_dir)
-
     def run(self) -> int:
-        """Start, run the steps, end; returns the exit status. The parts close on every way
-        out."""
-        try:
-            self._start()
-            with setup_frozen():
-                status = self._steps()
+        """Evaluate at step 0 if asked, run the steps, end; returns the exit status. The parts
+        close on every way out."""
+        with self.closing:
+            self.evaluation.start()
+            self.run_started = time.monotonic()
+            try:
+                with setup_frozen():
+                    status = self._steps()
+            except CollectiveFailure as failure:  # the watchdog named it: alert, then leave
+                self.alerts.fire("collective_timeout", self.progress.step + 1, str(failure),
+                                 "ERROR", self.progress.batch_index)
+                raise
             self.checkpointer.close()  # an async save still being written is committed first
             return status
-        finally:
-            self._close()
 
     def _steps(self) -> int:
         """The step loop: one line per part, each deciding for itself whether it acts."""
         while self.progress.step < self.cfg.train.steps:
             step, index = self.progress.step + 1, self.progress.batch_index
             started = time.perf_counter()  # the step's time includes reading its batch
-            batch, counts = self.batches.get(index)  # counts: packed documents' token counts
+            batch, counts = self.data.batch(index)  # counts: the step's tokens, where counted
             micro_batches = _to(batch, self.device)
             data_wait_s = time.perf_counter() - started  # ~0 when the batch was read ahead
             loss_fn = self._loss_for(index)  # faults.inject_*: a drill may slow or spoil it
-            lr = self.scheduler.get_last_lr()[0]
-            with self.collectives(f"step {step} (forward, backward, gradient reduction)"), \
-                    self.steplog.measuring(step, self.model, self.optimizer, micro_batches,
-                                           index):
-                counts = self._global_counts(counts)
+            lr = self.model_state.scheduler.get_last_lr()[0]
+            with self.watchdog(f"step {step} (forward, backward, gradient reduction)"), \
+                    self.steplog.measuring(step, self.model_state, micro_batches, index):
                 loss, grad_norm, verdict, ballots = train_step(
-                    self.model, self.optimizer, self.scheduler, micro_batches,
-                    self.cfg.optim.grad_clip, self.meter, self.built.offloader, self.guard,
-                    loss_fn, counts and counts[0], self.stops.ballot)
+                    self.step_parts, micro_batches, loss_fn, counts and counts[0])
             self.progress.batch_index += 1
             if not verdict.ok:
-                self.progress = bad_step(verdict, step, self.progress, self.checkpointer,
-                                         self.model, self.optimizer, self.scheduler,
-                                         self.guard, self.logger, self.alerts,
-                                         self.cfg.faults.max_rollbacks)
+                self.progress = self.rollback.after_bad_step(verdict, step, self.progress)
                 continue
             self.progress.step = step
             self.progress.tokens_seen += self.steplog.tokens_of(counts)
             self.steplog.step(step, loss, grad_norm, lr, step_seconds(started, self.device),
                               data_wait_s, self.progress.tokens_seen, index + 1, counts)
             self.evaluation.maybe(step, index + 1)
-            with self.collectives(f"the end of step {step} (an async save's commit)"):
+            with self.watchdog(f"the end of step {step} (an async save's commit)"):
                 stop_reason = self.stops.decide(step, ballots)
-            self.saver.save(step, stop_reason is not None, self.model, self.optimizer,
-                            self._train_state)
+            self.saves.save(step, stop_reason is not None, self.model_state, self.progress)
             if stop_reason is not None:
                 return self._stop(step, stop_reason)
         return self._finish()
-
-    def _start(self) -> None:
-        """Resume where the run stands, start logging, say what will run, evaluate at step 0
-        of a fresh run if train.eval_at_start."""
-        cfg, denv, built = self.cfg, self.denv, self.built
-        self.progress, resumed = Progress(), None
-        if cfg.save.resume:
-            resumed = resume(self.checkpointer, self.model, self.optimizer, self.scheduler,
-                             self.layout, cfg, denv.rank)
-            if resumed is not None:
-                self.progress = resumed[0]
-        self.logger = start_logging(cfg, denv, self.run_dir, self.progress.step)
-        self.logger.start_step = self.progress.batch_index
-        lg = cfg.logging
-        self.alerts = Alerts(self.logger, lg.alert_interval_s)
-        predicted = start_of_run(self.logger, cfg, built, self.layout, denv, self.run_dir,
-                                 resumed, self.alerts)
-        # On CPU the prediction is checked against live tensor bytes (RSS includes the
-        # interpreter).
-        live_step = lg.live_bytes_step or (self.progress.step + 2
-                                           if predicted and self.device.type == "cpu" else None)
-        self._announce()
-        self.steplog = StepLog(
-            self.logger, self.alerts, self._shape(), self.device, lg.every, cfg.train.steps,
-            self.progress.step, self.meter, built.offloader,
-            Startup(built.build_s, built.started, built.compiled_blocks),
-            ThroughputWatch(lg.alert_throughput_fraction, lg.alert_throughput_window),
-            predicted, lg.alert_memory_margin, live_step)
-        self.evaluation = Evaluation(self.model, self.val_data, self.task, self.device,
-                                     cfg.train.eval_every, cfg.train.steps, self.logger)
-        if resumed is not None:
-            self.logger.info(resumed[1])
-        elif cfg.train.eval_at_start:
-            self.evaluation.run(0)
-        self.run_started, self.first_step = time.monotonic(), self.progress.step
 
     def _shape(self) -> StepShape:
         built, layout = self.built, self.layout
@@ -353,7 +331,7 @@ class Trainer:
                 f"{d.micro_batch}, predicted peak {d.peak_bytes / 2**30:.3f} GiB, step "
                 f"{d.step_s:.4f} s ({when}{FIT_FILE}); candidates", fit_table(d), fit_rows(d))
         t = cfg.train
-        num_params = sum(p.numel() for p in self.model.parameters())
+        num_params = sum(p.numel() for p in self.model_state.model.parameters())
         self.logger.info(
             f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x shard "
             f"{layout.shard}) on {self.device.type}; {num_params / 1e6:.2f}M parameters; plan: "
@@ -383,7 +361,7 @@ class Trainer:
         return 0
 
     def _summary(self) -> None:
-        last, path = self.saver.last()
+        last, path = self.saves.last()
         seconds, peak_bytes = time.monotonic() - self.run_started, peak_memory_bytes(self.device)
         self.logger.summary(run_summary(seconds, self.first_step, self.progress,
                                         self.cfg.train.steps, peak_bytes, self.device.type,
@@ -391,9 +369,3 @@ class Trainer:
         end_of_run(self.logger, summary_fields(self.logger, self.progress, seconds, peak_bytes),
                    path, last or 0, self.cfg.logging.wandb_checkpoint_refs, self.alerts)
         self.logger.close()
-
-    def _close(self) -> None:
-        self.preemption.restore()
-        self.batches.close()
-        # Joins its threads; no file outlives the run, also when it failed.
-        close_offloader(self.built.offloader, own_parent=self.cfg.offload.dir is None)

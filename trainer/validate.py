@@ -3,18 +3,15 @@ data-parallel layout against the world size. Each failure is a `ConfigError` nam
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Config, ConfigError,
-                            DataConfig, TrainConfig, require)
+from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Config, ModelConfig,
+                            TrainConfig, check_writable, require)
+from trainer.data.base import ModelFacts
+from trainer.data.factory import source_of
 from trainer.models.families import Family, family_of
-
-IMAGE_SOURCES = ("images", "synthetic_images")
-DOCUMENT_SOURCES = ("text", "chat")  # read, tokenized and packed by trainer/data/documents.py
 
 
 @dataclass(frozen=True)
@@ -35,55 +32,6 @@ def _get(cfg: Config, key: str):
     return node
 
 
-def _check_token_files(data: DataConfig, vocab_size: int) -> None:
-    for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
-        require(os.path.isfile(path), key, f"no such file: {path}")
-    meta_path = os.path.join(os.path.dirname(os.path.abspath(data.train_path)), "meta.json")
-    if os.path.isfile(meta_path):  # written by `python -m trainer.tokenize`; other tools have none
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError("data.train_path", f"unreadable {meta_path}: {exc}") from exc
-        dtype = meta.get("dtype", data.token_dtype)
-        require(dtype == data.token_dtype, "data.token_dtype",
-                f"{data.token_dtype} but {meta_path} says the files are {dtype}")
-        data_vocab = int(meta.get("vocab_size", 0))
-        require(data_vocab <= vocab_size, "model.vocab_size",
-                f"{vocab_size} is smaller than the tokenizer's vocabulary {data_vocab} "
-                f"({meta_path})")
-    width = 2 if data.token_dtype == "uint16" else 4
-    for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
-        size = os.path.getsize(path)
-        require(size % width == 0, key, f"{path} is {size} bytes, not a multiple of {width} "
-                f"({data.token_dtype}); is data.token_dtype right, or was the file cut short?")
-        num_tokens = size // width
-        require(num_tokens > data.seq_len, key,
-                f"{path} holds {num_tokens} tokens, fewer than one sample of data.seq_len+1="
-                f"{data.seq_len + 1}; lower data.seq_len or add data")
-
-
-def check_writable(path: str, key: str) -> None:
-    """The nearest existing folder on the way to `path` must be writable, so the run can create it."""
-    probe = os.path.abspath(path)
-    require(not os.path.exists(probe) or os.path.isdir(probe), key,
-            f"{path} exists and is not a folder; choose a folder")
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    writable = os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
-    if writable:  # access() says yes to root even on read-only file systems: really try
-        try:
-            fd, name = tempfile.mkstemp(prefix=".blocktrain-probe-", dir=probe)
-            os.close(fd)
-            os.unlink(name)
-        except OSError:
-            writable = False
-    require(writable, key, f"{path} is not writable (checked {probe}); choose a writable folder")
-
-
 def _check_text(cfg: Config, family: Family) -> None:
     m = cfg.model
     family.validate(m)
@@ -93,80 +41,16 @@ def _check_text(cfg: Config, family: Family) -> None:
             f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
     require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len",
             f"{cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if cfg.data.source == "tokens":
-        require(bool(cfg.data.train_path), "data.train_path",
-                "data.source=tokens needs data.train_path=<file.bin> (see python -m trainer.tokenize)")
-        require(bool(cfg.data.val_path), "data.val_path",
-                "data.source=tokens needs data.val_path=<file.bin>")
-        _check_token_files(cfg.data, m.vocab_size)
-    if cfg.data.source in DOCUMENT_SOURCES:
-        _check_documents(cfg.data, family.own_tokenizer(m))
-    if cfg.data.source == "bytes":
-        vocab = family.vocab_size(m)
-        require(vocab >= 256, family.vocab_key,
-                f"data.source=bytes needs a vocabulary of at least 256, got {vocab}")
-
-
-def _check_documents(d: DataConfig, own_tokenizer: Optional[str]) -> None:
-    """data=text / chat: where the documents are and which tokenizer reads them."""
-    require(bool(d.path), "data.path", f"data={d.source} needs data.path=<jsonl or parquet "
-            "file, folder, glob, saved dataset or dataset name>")
-    require(d.train_path is None, "data.train_path",
-            f"data={d.source} reads data.path (data.train_path is for data=tokens and images)")
-    require(bool(d.tokenizer or own_tokenizer), "data.tokenizer",
-            f"data={d.source} needs a Hugging Face tokenizer: data.tokenizer=<folder or name> "
-            "(model=hf with model.path uses the model's own)")
-    require(0 < d.val_fraction < 1 or d.val_path is not None, "data.val_fraction",
-            f"must be in (0, 1) when data.val_path is not set, got {d.val_fraction}")
-    if d.cache_dir is not None:
-        check_writable(d.cache_dir, "data.cache_dir")
-    require(not d.streaming or d.val_path is not None, "data.val_path",
-            "data.streaming=true reads validation from its own file: set data.val_path")
 
 
 def _check_images(cfg: Config, family: Family) -> None:
-    m, d = cfg.model, cfg.data
-    require(not family.language_model, "data.source",
-            f"{d.source} are images, which model.arch={family.arch} does not read; use "
-            "model=vit or a text source (data=bytes, tokens or synthetic)")
-    require(d.source in IMAGE_SOURCES, "data.source",
-            f"model.arch=vit classifies images; use data=synthetic_images or data=images "
-            f"(now data.source={d.source})")
+    m = cfg.model
     for key in ("model.image_size", "model.patch_size", "model.num_classes"):
         require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
     require(m.image_size % m.patch_size == 0, "model.patch_size",
             f"must divide model.image_size={m.image_size}, got {m.patch_size}")
     require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
     family.validate(m)
-    _check_image_folders(cfg)
-
-
-def _check_image_folders(cfg: Config) -> None:
-    m, d = cfg.model, cfg.data
-    if d.source != "images":
-        return
-    for key in ("data.train_path", "data.val_path"):
-        folder = _get(cfg, key)
-        require(bool(folder) and os.path.isdir(folder), key,
-                f"data.source=images needs {key}=<folder of <class>/<image> folders>, got "
-                f"{folder}")
-    from trainer.data.images import IMAGE_EXTENSIONS, class_folders, has_image
-
-    classes = {}
-    for key in ("data.train_path", "data.val_path"):
-        root = _get(cfg, key)
-        classes[key] = class_folders(root)
-        require(bool(classes[key]), key, f"{root} has no class folders ({root}/<class>/<image>)")
-    require(len(classes["data.train_path"]) == m.num_classes, "model.num_classes",
-            f"{m.num_classes}, but {d.train_path} has {len(classes['data.train_path'])} class "
-            f"folders; set model.num_classes={len(classes['data.train_path'])}")
-    extra = sorted(set(classes["data.val_path"]) - set(classes["data.train_path"]))
-    require(not extra, "data.val_path", f"class folders {extra} are not in data.train_path")
-    for key in ("data.train_path", "data.val_path"):
-        root = _get(cfg, key)
-        empty = [c for c in classes[key] if not has_image(os.path.join(root, c))]
-        require(not empty, key, f"class folders {empty[:5]} under {root} hold no images "
-                f"({', '.join(IMAGE_EXTENSIONS)})")
 
 
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
@@ -311,16 +195,28 @@ def _check_run_control(cfg: Config) -> None:
 
 
 def _check_model_and_data(cfg: Config) -> None:
-    require(not cfg.data.augment or cfg.data.source == "images", "data.augment",
-            f"only applies to data=images (now data.source={cfg.data.source})")
+    """The data's own settings, the model, then the data against the model (its files too)."""
+    source = source_of(cfg.data)
+    source.check(cfg.data)
     m = cfg.model
     require(m.dim % m.n_heads == 0, "model.n_heads",
             f"must divide model.dim={m.dim}, got {m.n_heads}")
     family = family_of(m)
-    if not family.language_model or cfg.data.source in IMAGE_SOURCES:
-        _check_images(cfg, family)
-    else:
+    source.check_reader(not family.language_model, family.arch)
+    if family.language_model:
         _check_text(cfg, family)
+    else:
+        _check_images(cfg, family)
+    source.check_files(cfg.data, model_facts(m))
+
+
+def model_facts(m: ModelConfig) -> ModelFacts:
+    """What the data needs to know of the model, from its family (read once the model's
+    settings are valid: an HF model's vocabulary comes from its config)."""
+    family = family_of(m)
+    return ModelFacts(family.vocab_size(m), family.vocab_key, family.own_tokenizer(m),
+                      path=m.path, image_size=m.image_size, channels=m.channels,
+                      num_classes=m.num_classes)
 
 
 def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:

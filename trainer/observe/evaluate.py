@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sharding.fsdp import reshard_all
+from trainer.config import TrainConfig
 from trainer.distenv import mean_over_ranks
 from trainer.observe.metrics import RunLogger
 from trainer.task import Task
@@ -41,12 +42,14 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task,
 
 class Evaluation:
     """Evaluates when due and records the result (every rank evaluates: the loss is a
-    collective; only rank 0's logger writes)."""
+    collective; only rank 0's logger writes). Built from the train section: `eval_every`,
+    the last step, and `eval_at_start` (step 0 of a fresh run, not of a resumed one)."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[Batch], task: Task,
-                 device: torch.device, every: int, steps: int, logger: RunLogger) -> None:
+    def __init__(self, t: TrainConfig, fresh: bool, model: nn.Module, batches: Sequence[Batch],
+                 task: Task, device: torch.device, logger: RunLogger) -> None:
         self.model, self.batches, self.task, self.device = model, batches, task, device
-        self.every, self.steps, self.logger = every, steps, logger
+        self.every, self.steps, self.logger = t.eval_every, t.steps, logger
+        self.at_start = fresh and t.eval_at_start
 
     def should_evaluate(self, step: int) -> bool:
         return step % self.every == 0 or step == self.steps
@@ -55,6 +58,11 @@ class Evaluation:
         """Evaluate now, recording it at `step`."""
         self.logger.record({"step": step, **evaluate(self.model, self.batches, self.task,
                                                      self.device)}, wandb_step=wandb_step)
+
+    def start(self) -> None:
+        """Before the first step: the step-0 evaluation, if asked for."""
+        if self.at_start:
+            self.run(0)
 
     def maybe(self, step: int, wandb_step: int) -> None:
         if self.should_evaluate(step):

@@ -17,11 +17,14 @@ import torch
 from torch import nn
 
 from checkpointing.meter import SavedBytesMeter
+from offload.engine import Offloader
+from trainer.config import LoggingConfig
 from trainer.observe.dashboard import watch_memory
 from trainer.observe.livebytes import step_tracker
 from trainer.observe.metrics import (RunLogger, device_used_bytes, peak_flops, peak_memory_bytes,
                                      peak_reserved_bytes, startup_fields, startup_line)
 from trainer.observe.watch import Alerts, ThroughputWatch
+from trainer.state.resume import ModelState
 
 
 @dataclass(frozen=True)
@@ -40,27 +43,44 @@ class Startup:
     build_s: float
     build_started: float  # time.perf_counter() at the start of the build
     compiled_blocks: int
+    first_step: int  # the step this start continues from (0 for a fresh run)
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """Where this rank's step measures come from."""
+    device: torch.device
+    meter: SavedBytesMeter  # activation bytes saved for backward
+    offloader: Optional[Offloader]  # bytes offloaded (None: no offload)
 
 
 class StepLog:
-    def __init__(self, logger: RunLogger, alerts: Alerts, shape: StepShape,
-                 device: torch.device, every: int, steps: int, first_step: int,
-                 meter: SavedBytesMeter, offloader, startup: Startup,
-                 throughput: ThroughputWatch, predicted: Optional[int], memory_margin: float,
-                 live_step: Optional[int]) -> None:
-        self.logger, self.alerts, self.shape, self.device = logger, alerts, shape, device
-        self.every, self.steps, self.first_step = every, steps, first_step
-        self.meter, self.offloader, self.startup = meter, offloader, startup
-        self.throughput, self.predicted, self.margin = throughput, predicted, memory_margin
-        self.live_step, self.peak_flops = live_step, peak_flops(device)
+    """Built from the logging section: `every`, the throughput and memory alerts, and the
+    step whose live tensor bytes are counted (`live_bytes_step`, or on CPU the second step
+    of this start when memory was predicted: `predicted`, peak bytes per rank)."""
+
+    def __init__(self, lg: LoggingConfig, steps: int, logger: RunLogger, alerts: Alerts,
+                 shape: StepShape, gauges: Gauges, startup: Startup,
+                 predicted: Optional[int]) -> None:
+        self.logger, self.alerts, self.shape, self.startup = logger, alerts, shape, startup
+        self.every, self.steps, self.first_step = lg.every, steps, startup.first_step
+        self.device, self.meter, self.offloader = gauges.device, gauges.meter, gauges.offloader
+        self.throughput = ThroughputWatch(lg.alert_throughput_fraction,
+                                          lg.alert_throughput_window)
+        self.predicted, self.margin = predicted, lg.alert_memory_margin
+        # On CPU the prediction is checked against live tensor bytes (RSS includes the
+        # interpreter).
+        self.live_step = lg.live_bytes_step or (
+            self.first_step + 2 if predicted and self.device.type == "cpu" else None)
+        self.peak_flops = peak_flops(self.device)
         self._startup: dict = {}  # logged with the first step's record
         self._counted_step: Optional[int] = None
 
     def should_log(self, step: int) -> bool:
         return step % self.every == 0 or step == self.steps
 
-    def measuring(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  micro_batches: Sequence, wandb_step: int) -> contextlib.AbstractContextManager:
+    def measuring(self, step: int, model: ModelState, micro_batches: Sequence,
+                  wandb_step: int) -> contextlib.AbstractContextManager:
         """Around the training step: the saved-bytes meter counts only on a step whose record
         is logged (act_saved_bytes is that step's; the shapes, and so the bytes, are the same
         every step); on the chosen step, the peak of live tensor bytes is counted and recorded
@@ -68,7 +88,8 @@ class StepLog:
         self.meter.enabled = self.should_log(step)
         if step != self.live_step:
             return contextlib.nullcontext()
-        return self._count_live_bytes(step, model, optimizer, micro_batches, wandb_step)
+        return self._count_live_bytes(step, model.model, model.optimizer, micro_batches,
+                                      wandb_step)
 
     @contextlib.contextmanager
     def _count_live_bytes(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -1,4 +1,4 @@
-"""Watching the run: alerts for faults and drift, and what the loop does about a bad step.
+"""Watching the run: alerts for faults and drift.
 
 An alert is what a person should hear about rather than find later in a log: a NaN/inf step
 skipped, a loss spike, a rollback, a preemption and the requeued start after it, a collective
@@ -21,12 +21,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-import torch
-from torch import nn
-
-from trainer.faults import FaultLimit, LossGuard, Verdict
 from trainer.observe.metrics import RunLogger
-from trainer.state.resume import Progress, rollback
 
 KINDS = ("nonfinite", "loss_spike", "rollback", "preemption", "resumed", "collective_timeout",
          "throughput", "memory")
@@ -86,41 +81,3 @@ def memory_text(measured: int, predicted: Optional[int], margin: float,
         return None
     return (f"{what} {measured / 2**30:.3f} GiB is {measured / predicted - 1:.0%} above the "
             f"predicted peak {predicted / 2**30:.3f} GiB (logging.alert_memory_margin={margin:g})")
-
-
-def bad_step(verdict: Verdict, step: int, progress: Progress, checkpointer, model: nn.Module,
-             optimizer: torch.optim.Optimizer, scheduler, guard: LossGuard, logger: RunLogger,
-             alerts: Alerts, max_rollbacks: int) -> Progress:
-    """A step the guard refused: count it, alert, roll back if it asked and a checkpoint
-    exists."""
-    progress.skipped_steps += 1
-    logger.record({"step": step, "skipped_step": 1, "skipped_steps": progress.skipped_steps,
-                   "reason": verdict.reason}, wandb_step=progress.batch_index)
-    kind = "nonfinite" if "not finite" in verdict.reason else "loss_spike"
-    alerts.fire(kind, step, f"step {step} skipped: {verdict.reason}",
-                wandb_step=progress.batch_index)
-    if not verdict.rollback:
-        return progress
-    if progress.rollbacks >= max_rollbacks:
-        raise FaultLimit(f"faults.max_rollbacks: {max_rollbacks} rollbacks already, and again "
-                         f"{verdict.reason} at step {step}; lower optim.lr or inspect the data")
-    restored = rollback(checkpointer, model, optimizer, scheduler, progress)
-    if restored is None:
-        if guard.bad_in_a_row >= guard.max_bad:
-            raise FaultLimit(f"faults.max_bad_steps: {guard.bad_in_a_row} bad steps in a row "
-                             f"({verdict.reason}) and no checkpoint to roll back to; lower "
-                             "optim.lr, or save earlier with save.every")
-        logger.info(f"step {step}: {verdict.reason}; no checkpoint to roll back to, the update "
-                    "was skipped")
-        return progress
-    guard.reset()
-    logger.rewind(restored.step)
-    logger.record({"step": restored.step, "rollback_from_step": step,
-                   "rollbacks": restored.rollbacks, "reason": verdict.reason},
-                  wandb_step=progress.batch_index)
-    alerts.fire("rollback", restored.step, f"rolled back from step {step} to the checkpoint of "
-                f"step {restored.step} ({verdict.reason})", level="ERROR",
-                wandb_step=progress.batch_index)
-    logger.info(f"rolled back from step {step} to the checkpoint of step {restored.step} "
-                f"({verdict.reason}); the batches read since are skipped")
-    return restored

@@ -10,7 +10,6 @@ Each check runs only when its setting is in play, so a plain run pays nothing fo
 
 from __future__ import annotations
 
-import os
 import re
 
 from trainer.config import DEFAULT_SAVE_OPS, Config, ConfigError
@@ -20,7 +19,6 @@ from trainer.models.families import family_of
 # "model.block_pattern='x' ..."); this finds it.
 _KEY = re.compile(r"^((?:model|data|train|optim|sharding|checkpointing|offload|save|faults|"
                   r"logging)(?:\.\w+)+)")
-TOKEN_SCAN_CHUNK = 1 << 24  # tokens per read while looking for the largest id
 
 
 def setting_of(message: str) -> str | None:
@@ -45,8 +43,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
         _save_ops(cfg)
         family_of(cfg.model).preflight(cfg.model)
         _blocks(cfg)
-        _token_files(cfg)
-        _documents(cfg)
+        _data(cfg)
         _head(cfg)
         if layout is not None:
             _memory(cfg, layout, gpus_per_node)
@@ -94,22 +91,12 @@ def _blocks(cfg: Config) -> None:
     find_model_blocks(build_on_meta(cfg.model), cfg.model)
 
 
-def _token_files(cfg: Config) -> None:
-    d = cfg.data
-    if d.source != "tokens":
-        return
-    from trainer.data.tokens import read_meta, token_file
+def _data(cfg: Config) -> None:
+    """The data's files against the libraries and the model (token ids, tokenizer, fields)."""
+    from trainer.data.factory import source_of
+    from trainer.validate import model_facts
 
-    vocab = family_of(cfg.model).vocab_size(cfg.model)
-    for key, path in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
-        if not path:
-            raise ConfigError(key, "required when data.source=tokens")
-        tokens = token_file(path, d.token_dtype, key)  # length and dtype width
-        largest = largest_token_id(path, tokens, read_meta(path))
-        if largest >= vocab:
-            raise ConfigError(key, f"{path} holds token id {largest}, but model.vocab_size is "
-                              f"{vocab} (ids must be < {vocab}); raise model.vocab_size or "
-                              "tokenize with the model's tokenizer")
+    source_of(cfg.data).check_deep(cfg.data, model_facts(cfg.model))
 
 
 def _head(cfg: Config) -> None:
@@ -128,40 +115,3 @@ def _head(cfg: Config) -> None:
                           f"over the budget of {c.head_budget_mib} MiB: raise it, or lower "
                           "checkpointing.head_chunk_tokens")
     family.check_fused_head(cfg.model)
-
-
-def _documents(cfg: Config) -> None:
-    """data=text / chat: the files are there and have the field, the tokenizer loads (with a
-    chat template for chat) and fits the model's vocabulary. The first record is enough."""
-    d = cfg.data
-    if d.source not in ("text", "chat"):
-        return
-    from trainer.data.sources import (DataError, check_fields, document_settings,
-                                      first_record_fields, load_tokenizer)
-
-    try:
-        fields = first_record_fields(d.path, d.split)
-        if fields is not None:
-            check_fields(fields, document_settings(d), d.path)
-        tokenizer = load_tokenizer(d.tokenizer or cfg.model.path, d.source)
-    except DataError as exc:
-        raise as_config_error(exc) from None
-    vocab = family_of(cfg.model).vocab_size(cfg.model)
-    if len(tokenizer) > vocab:
-        raise ConfigError("model.vocab_size", f"the tokenizer {d.tokenizer or cfg.model.path} "
-                          f"has {len(tokenizer)} ids, more than the model's {vocab}")
-
-
-def largest_token_id(path: str, tokens, meta: dict | None) -> int:
-    """The largest id in a token file: from meta.json when the tokenize command recorded it for
-    this file (same size), else a chunked scan of the memory map."""
-    split = os.path.splitext(os.path.basename(path))[0]
-    recorded = (meta or {}).get("max_id", {})
-    counts = (meta or {}).get("num_tokens", {})
-    if split in recorded and counts.get(split) == len(tokens):
-        return int(recorded[split])
-    largest = 0
-    for start in range(0, len(tokens), TOKEN_SCAN_CHUNK):
-        largest = max(largest, int(tokens[start:start + TOKEN_SCAN_CHUNK].max()))
-    return largest
-

@@ -1,4 +1,5 @@
-"""Where a run stands (`Progress`), and getting back there: resume at start, rollback mid-run.
+"""Where a run stands (`Progress`), what a checkpoint records of it, and getting back there at
+start (resume; going back mid-run is trainer/state/rollback.py).
 
 The data position is one number, the index of the next global batch: every rank derives its share
 of a global batch from it (trainer/data/tokens.py), and a global batch does not depend on how it is split
@@ -19,7 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from trainer.config import Config, ConfigError
+from trainer.config import Config
+from trainer.data.batches import Data
 from trainer.validate import Layout
 from trainer.state.checkpoint import Checkpointer, Loaded
 from trainer.state.ownership import RUN_ID_FILE
@@ -36,17 +38,34 @@ class Progress:
     rollbacks: int = 0
 
 
-def train_state(progress: Progress, scheduler, layout: Layout, cfg: Config,
-                run_dir: str) -> dict[str, Any]:
-    """Everything but model and optimizer that a checkpoint holds (JSON)."""
-    wandb_id = None
-    if os.path.exists(os.path.join(run_dir, RUN_ID_FILE)):
-        with open(os.path.join(run_dir, RUN_ID_FILE)) as f:
-            wandb_id = f.read().strip()
-    return {"progress": dataclasses.asdict(progress), "scheduler": scheduler.state_dict(),
-            "world_size": layout.world_size, "global_batch_size": layout.global_batch_size,
-            "seq_len": cfg.data.seq_len, "data_seed": cfg.train.seed,
-            "wandb_run_id": wandb_id, "config": dataclasses.asdict(cfg)}
+@dataclass(frozen=True)
+class ModelState:
+    """The model with its optimizer and learning-rate schedule: what a step updates, a
+    checkpoint saves, and a resume or a rollback restores."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What every checkpoint of a run records beside the model and optimizer."""
+    layout: Layout
+    cfg: Config
+    run_dir: str
+
+    def state(self, progress: Progress, scheduler) -> dict[str, Any]:
+        """Everything but model and optimizer that a checkpoint holds (JSON)."""
+        wandb_id = None
+        id_file = os.path.join(self.run_dir, RUN_ID_FILE)
+        if os.path.exists(id_file):
+            with open(id_file) as f:
+                wandb_id = f.read().strip()
+        return {"progress": dataclasses.asdict(progress), "scheduler": scheduler.state_dict(),
+                "world_size": self.layout.world_size,
+                "global_batch_size": self.layout.global_batch_size,
+                "seq_len": self.cfg.data.seq_len, "data_seed": self.cfg.train.seed,
+                "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg)}
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -58,20 +77,21 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _restore(loaded: Loaded, scheduler) -> Progress:
+def restore(loaded: Loaded, scheduler) -> Progress:
     scheduler.load_state_dict(loaded.state["scheduler"])
     return Progress(**loaded.state["progress"])
 
 
-def resume(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler, layout: Layout, cfg: Config, rank: int) -> Optional[tuple[Progress, str]]:
-    """Load the newest intact checkpoint, if any: (progress, one line saying what happened)."""
-    loaded = checkpointer.load_latest(model, optimizer, refuse_if_all_damaged=True)
+def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: Config,
+           rank: int, data: Data) -> Optional[tuple[Progress, str]]:
+    """Load the newest intact checkpoint, if any: (progress, one line saying what happened).
+    The data refuses a checkpoint it cannot continue from."""
+    loaded = checkpointer.load_latest(model.model, model.optimizer, refuse_if_all_damaged=True)
     if loaded is None:
         return None
     state = loaded.state
-    _check_stream_share(state, layout, cfg)
-    progress = _restore(loaded, scheduler)
+    data.check_resume(state["world_size"], state["global_batch_size"])
+    progress = restore(loaded, model.scheduler)
     notes = [f"resumed from {loaded.path} (step {progress.step}, batch {progress.batch_index})"]
     if not loaded.rng_restored:
         # Deterministic, but not what an uninterrupted run would have drawn.
@@ -94,30 +114,3 @@ def resume(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.
         notes.append("config changed since the save: " + ", ".join(
             f"{k}={saved.get(k)!r}->{now.get(k)!r}" for k in changed))
     return progress, "; ".join(notes)
-
-
-def _check_stream_share(state: dict, layout: Layout, cfg: Config) -> None:
-    """A streamed corpus is split between the ranks by record: another world size or global
-    batch would hand each rank other records, so the run could not continue where it stood."""
-    saved = (state["world_size"], state["global_batch_size"])
-    if cfg.data.streaming and saved != (layout.world_size, layout.global_batch_size):
-        raise ConfigError("data.streaming", f"this run streams its data and was saved by "
-                          f"{saved[0]} ranks with a global batch of {saved[1]}; a stream resumes "
-                          f"only on the same (now {layout.world_size} ranks, "
-                          f"{layout.global_batch_size}): start it on {saved[0]} ranks, or "
-                          "prepare the data once (data.streaming=false) to resume anywhere")
-
-
-def rollback(checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler, progress: Progress) -> Optional[Progress]:
-    """Back to the last committed checkpoint, keeping the data position (the batches read since
-    are skipped: they led here). None when there is no checkpoint to go back to."""
-    checkpointer.wait()
-    loaded = checkpointer.load_latest(model, optimizer)
-    if loaded is None:
-        return None
-    restored = _restore(loaded, scheduler)
-    restored.batch_index = progress.batch_index
-    restored.skipped_steps = progress.skipped_steps
-    restored.rollbacks = progress.rollbacks + 1
-    return restored
