@@ -184,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         jobs, summary = plan(args, *read_cluster(args))
     except ConfigError as exc:
-        cli.report(exc, env={})
+        cli.print_error(exc, env={})
         return USAGE_ERROR
     if args.dry_run:
         for i, job in enumerate(jobs):
