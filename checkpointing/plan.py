@@ -28,6 +28,9 @@ class BlockPlan:
     # recompute="compiler": torch.compile's partitioner chooses what to keep, under this
     # activation_memory_budget (0: keep only the block's inputs, 1: its default choice).
     memory_budget: Optional[float] = None
+    # Sequence tiles the block's MLP is computed and recomputed in (checkpointing/tiles.py):
+    # 1 leaves it whole.
+    tiles: int = 1
 
 
 POLICIES = ("none", "full", "every_k", "sqrt", "selective", "budget", "compiler")

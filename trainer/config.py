@@ -199,6 +199,10 @@ class ShardingConfig:
     reduce_dtype: Optional[str] = None
     # Parameters, gradients and optimizer state live in CPU memory (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
+    # Ulysses sequence parallelism: groups of this many adjacent ranks share each sample, each
+    # holding 1/N of its tokens; attention trades tokens for heads around an all-to-all
+    # (sharding/sequence.py). 1: every rank holds whole samples.
+    sequence: int = 1
 
 
 @dataclass
@@ -226,6 +230,10 @@ class CheckpointingConfig:
     head: str = "plain"
     head_chunk_tokens: Optional[int] = None
     head_budget_mib: int = 256
+    # Sequence tiles: each block's MLP computed and recomputed over this many slices of the
+    # sequence, so its [tokens, ffn] intermediates never exist whole (checkpointing/tiles.py);
+    # auto: the planner picks the fewest that fit. 1: untiled.
+    tiles: Any = 1
 
 
 @dataclass
