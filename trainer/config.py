@@ -201,8 +201,9 @@ class ShardingConfig:
     cpu_offload: bool = False
     # Ulysses sequence parallelism: groups of this many adjacent ranks share each sample, each
     # holding 1/N of its tokens; attention trades tokens for heads around an all-to-all
-    # (sharding/sequence.py). 1: every rank holds whole samples.
-    sequence: int = 1
+    # (sharding/sequence.py). 1: every rank holds whole samples; auto: the planner picks the
+    # smallest degree that fits (with checkpointing=auto or train.micro_batch_size=auto).
+    sequence: Any = 1
 
 
 @dataclass
