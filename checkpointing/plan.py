@@ -94,6 +94,15 @@ def with_offload(plan: Sequence[BlockPlan], target: str, keep_last: int) -> list
             if p.index < cut else p for p in plan]
 
 
+def with_tiles(plan: Sequence[BlockPlan], tiles: int) -> list[BlockPlan]:
+    """`checkpointing.tiles=N` for every block: each block's MLP computed and recomputed in N
+    sequence tiles (checkpointing/tiles.py). A plan file's and a planner's plans carry their
+    own per block."""
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"tiles must be an integer >= 1, got {tiles!r}")
+    return [replace(p, tiles=tiles) for p in plan]
+
+
 def plan_to_json(plan: Sequence[BlockPlan], head: Optional[dict] = None) -> str:
     """plan.json: a row per block, then (when given) the loss head's row, `{"name": "head",
     "head": "plain" | "chunked", "chunk_tokens": ...}`, which `checkpointing=file` skips."""
@@ -161,13 +170,18 @@ def plan_rows(plan: Sequence[BlockPlan], profiles: Optional[Sequence] = None) ->
 def plan_table(plan: Sequence[BlockPlan], profiles: Optional[Sequence] = None) -> str:
     """The plan as a terminal table (printed at start)."""
     rows = plan_rows(plan, profiles)
+    tiled = any(p.tiles > 1 for p in plan)  # the column only when some block has tiles
     header = f"{'block':>5} {'name':<24} {'recompute':<10} {'offload':<8} {'shard':<5}"
+    if tiled:
+        header += f" {'tiles':>5}"
     if profiles is not None:
         header += f" {'saved MiB':>10} {'recompute ms':>12}"
     lines = [header]
     for r in rows:
         line = (f"{r['index']:>5} {r['name']:<24} {r['recompute']:<10} {r['offload']:<8} "
                 f"{str(r['shard']):<5}")
+        if tiled:
+            line += f" {r['tiles']:>5}"
         if profiles is not None and r["saved_bytes"] is not None:
             line += f" {r['saved_bytes'] / 2**20:>10.2f} {r['recompute_s'] * 1e3:>12.2f}"
         elif r["memory_budget"] is not None:
@@ -185,6 +199,7 @@ def describe(plan: Sequence[BlockPlan]) -> str:
         return ", ".join(f"{v} x{n}" for v, n in values.items())
 
     sharded = sum(p.shard for p in plan)
-    return (f"{len(plan)} blocks: recompute {counts('recompute')}; offload {counts('offload')}; "
-            f"sharded {sharded}/{len(plan)}")
+    tiles = f"; tiles {counts('tiles')}" if any(p.tiles > 1 for p in plan) else ""
+    return (f"{len(plan)} blocks: recompute {counts('recompute')}; offload {counts('offload')}"
+            f"{tiles}; sharded {sharded}/{len(plan)}")
 

@@ -168,3 +168,20 @@ def tile_module(module: nn.Module, num_tiles: int, dim: int = 1) -> nn.Module:
                                            dim)
     module._blocktrain_tiles = num_tiles
     return module
+
+
+def apply_tiles(mlps: Sequence[Optional[nn.Module]], plan: Sequence) -> int:
+    """Carry out the plan's `tiles`: block i's token-wise MLP `mlps[i]` (its family finds it)
+    computes in plan[i].tiles sequence tiles. Before the block's checkpoint wrapper and
+    fully_shard, so its recompute and FSDP's unshard window hold the tiles inside. Returns the
+    MLPs tiled."""
+    tiled_count = 0
+    for mlp, block_plan in zip(mlps, plan, strict=True):
+        if block_plan.tiles == 1:
+            continue
+        if mlp is None:
+            raise ValueError(f"checkpointing.tiles: block {block_plan.name} has no token-wise "
+                             "MLP to tile; set checkpointing.tiles=1")
+        tile_module(mlp, block_plan.tiles)
+        tiled_count += 1
+    return tiled_count

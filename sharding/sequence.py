@@ -8,7 +8,7 @@ all positions of its heads, so causal attention is balanced across the group wit
 tokens (ring attention needs that; Ulysses does not).
 
 What lives here, all taking tensors and a process group (no config):
-  kv_repeats / check_degree     pure checks a config validator can run before any process group
+  kv_repeats / check_degree     pure checks (sharding/degrees.py, torch-free, re-exported here)
   all_to_all                    differentiable re-split of one tensor (backward: the inverse one)
   sequence_to_heads / heads_to_sequence   the two directions, named
   ulysses_attention             wraps any attention function with SDPA's calling shape
@@ -22,7 +22,6 @@ served by both gloo (CPU) and NCCL.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,40 +30,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from sharding.degrees import check_degree, check_mesh_sizes, kv_repeats  # re-exported
 from sharding.fsdp import build_mesh
 
 # Axis positions of (sequence, heads) in the two layouts attention code uses.
 LAYOUTS = {"bhsd": (2, 1),   # scaled_dot_product_attention: [batch, heads, seq, head_dim]
            "bshd": (1, 2)}   # projections and HF attention outputs: [batch, seq, heads, head_dim]
-
-
-# --- pure checks (no process group needed) ------------------------------------------------
-
-def kv_repeats(q_heads: int, kv_heads: int, degree: int) -> int:
-    """How many times each key/value head is repeated so `degree` ranks can split the heads.
-
-    Supported: `degree` divides the query heads, and the query heads are a multiple of the KV
-    heads (any grouped-query or multi-query model). Then:
-      * degree divides kv_heads: 1, no repeat (each rank takes kv_heads/degree KV heads);
-      * otherwise: degree / gcd(degree, kv_heads), the least repeat making the KV heads a
-        multiple of degree; it always divides the group size q_heads/kv_heads, so query head h
-        still meets (a copy of) its own KV head h // (q_heads/kv_heads) after the split.
-    Refused (ValueError): degree not dividing the query heads.
-    """
-    if degree < 1:
-        raise ValueError(f"sequence degree must be >= 1, got {degree}")
-    if kv_heads < 1 or q_heads % kv_heads:
-        raise ValueError(f"query heads {q_heads} must be a multiple of the KV heads {kv_heads}")
-    if q_heads % degree:
-        raise ValueError(f"sequence degree {degree} must divide the attention heads {q_heads}: "
-                         f"each rank attends with heads/degree of them")
-    return degree // math.gcd(degree, kv_heads)
-
-
-def check_degree(seq_len: int, degree: int) -> None:
-    """The sequence splits into `degree` equal contiguous chunks, or ValueError."""
-    if degree < 1 or seq_len % degree:
-        raise ValueError(f"sequence degree {degree} must divide the sequence length {seq_len}")
 
 
 # --- the all-to-all -----------------------------------------------------------------------
@@ -224,15 +195,3 @@ def build_sequence_mesh(mode: str, device_type: str, world_size: int, replicate:
     return SequenceMesh(mesh=mesh, fsdp=fsdp, group=group, degree=degree,
                         rank=dist.get_rank(group), data_rank=rank // degree,
                         data_size=world_size // degree)
-
-
-def check_mesh_sizes(mode: str, world_size: int, replicate: int, degree: int) -> None:
-    """ValueError unless a sequence group of `degree` fits the sharding mode and world."""
-    if mode not in ("fsdp", "hsdp"):
-        raise ValueError(f"sequence parallelism needs sharding fsdp or hsdp, not {mode!r}")
-    shard = world_size // replicate if mode == "hsdp" else world_size
-    if mode == "hsdp" and world_size % replicate:
-        raise ValueError(f"replicas {replicate} must divide the world size {world_size}")
-    if degree < 1 or shard % degree:
-        where = "ranks per replica" if mode == "hsdp" else "world size"
-        raise ValueError(f"sequence degree {degree} must divide the {where} {shard}")

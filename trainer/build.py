@@ -23,7 +23,8 @@ import torch.distributed as dist
 from checkpointing.blocks import canonical_name
 from checkpointing.compiled import compile_blocks
 from checkpointing.planner.metatrace import cast_like_fsdp
-from checkpointing.plan import BlockPlan, with_offload
+from checkpointing.plan import BlockPlan, with_offload, with_tiles
+from checkpointing.tiles import apply_tiles
 from checkpointing.planner.policies import (Budget, BudgetError, OffloadCost, choose_plan,
                                    compiler_budgets, resolve_budget)
 from checkpointing.planner.profile import (BlockProfile, profile_blocks, trace_on_meta,
@@ -36,9 +37,10 @@ from offload.bandwidth import seconds_per_byte
 from offload.engine import Offloader
 from sharding import fsdp
 from sharding.fsdp import DTYPES
-from trainer.config import Config, ConfigError, ModelConfig
+from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
 from trainer.models.families import family_of
 from trainer.task import task_for
+from trainer.validate import sequence_degree
 
 log = logging.getLogger("trainer")
 # Policies whose plan follows from the block count alone: timing the blocks is optional.
@@ -268,6 +270,9 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
         plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)
     if cfg.checkpointing.policy not in ("budget", "auto", "file"):  # those decided offload
         plan = with_offload(plan, o.target, o.keep_last)
+    plan = run_tiles(plan, cfg.checkpointing)
+    # Tiles first: the MLP's tiled forward is what the checkpoint wrapper recomputes.
+    apply_tiles([family_of(cfg.model).mlp_of(block) for block in blocks], plan)
     # Order matters: the checkpoint wrapper, then compile (the checkpoint is traced into the
     # graph), then the offload hooks (which see what the block keeps: its inputs if it
     # recomputes, whatever the compiled backward keeps if compiled), and all of it inside
@@ -290,7 +295,13 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
         log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "
                     "gradients and optimizer state already live in CPU memory; nothing to move")
-    mesh = fsdp.build_mesh(cfg.sharding.mode, denv.device.type, denv.world_size, replicate)
+    if cfg.sharding.sequence == "auto":
+        raise ConfigError("sharding.sequence", "auto is chosen by the planner before the build "
+                          "(checkpointing=auto or train.micro_batch_size=auto); set a degree")
+    mesh, group = sharding_mesh(cfg.sharding.mode, denv, replicate,
+                                sequence_degree(cfg.sharding.sequence))
+    if group is not None:  # the blocks' attention runs over the group's whole sequences
+        family_of(cfg.model).sequence_parallel(model, group)
     if mesh is not None:
         fsdp.apply_fsdp(model, blocks, plan, mesh, fsdp.mixed_precision(
             cfg.sharding.param_dtype, cfg.sharding.reduce_dtype),
@@ -304,6 +315,33 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     forget_build_peak(denv.device)
     return Built(model, plan, profiles, rest, budget, compiled, offloader, flops,
                  build_s=time.perf_counter() - started, started=started)
+
+
+def run_tiles(plan: list[BlockPlan], c: CheckpointingConfig) -> list[BlockPlan]:
+    """checkpointing.tiles=N gives every block N tiles; a plan file's or a planner's plan that
+    already carries tiles keeps its own."""
+    if c.tiles == "auto":
+        raise ConfigError("checkpointing.tiles", "auto is chosen by the planner before the "
+                          "build (checkpointing=auto or train.micro_batch_size=auto); set a "
+                          "number of tiles for this policy")
+    if c.policy == "file" or any(p.tiles > 1 for p in plan):
+        return plan
+    return with_tiles(plan, c.tiles)
+
+
+def sharding_mesh(mode: str, denv: DistEnv, replicate: int, degree: int
+                  ) -> tuple[Optional[object], Optional[dist.ProcessGroup]]:
+    """(the mesh fully_shard gets, the sequence group or None). With sharding.sequence=N > 1,
+    the mesh of sharding/sequence.py: FSDP still shards over every rank, sequence ranks
+    included, and adjacent ranks share each sample (the Data slices it the same way)."""
+    if degree == 1:
+        return fsdp.build_mesh(mode, denv.device.type, denv.world_size, replicate), None
+    from sharding.sequence import build_sequence_mesh
+
+    seq = build_sequence_mesh(mode, denv.device.type, denv.world_size, replicate, degree)
+    # The Data gives rank r slice r % N of its group's samples: the mesh must agree.
+    assert (seq.rank, seq.data_rank) == (denv.rank % degree, denv.rank // degree), seq
+    return seq.fsdp, seq.group
 
 
 def forget_build_peak(device: torch.device, cuda=torch.cuda) -> None:

@@ -175,6 +175,14 @@ def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = 
     return status
 
 
+def _readers(layout: Layout) -> str:
+    """Who reads each global batch: the ranks, or their sequence groups (sharding.sequence)."""
+    if layout.sequence == 1:
+        return f"ranks {layout.world_size}"
+    return (f"sequence groups {layout.data_size} of {layout.sequence} ranks, each rank "
+            f"1/{layout.sequence} of every sample's tokens")
+
+
 def _checkpoint_dir(cfg: Config, run_dir: str) -> str:
     return cfg.save.dir or os.path.join(run_dir, "checkpoints")
 
@@ -212,7 +220,7 @@ class Trainer:
             self.watchdog = TimeoutWatchdog(denv.rank, t.dist_timeout_s)
             self.data = open_data(cfg.data, model_facts(cfg.model), Sampling(
                 denv.rank, denv.world_size, t.micro_batch_size, layout.grad_accum, t.seed,
-                t.eval_batches, preparer=denv.local_rank == 0),
+                t.eval_batches, preparer=denv.local_rank == 0, sequence=layout.sequence),
                 family_of(cfg.model).image_preprocessing(cfg.model), self.device, self.watchdog)
             self.closing.callback(self.data.close)
             # Under torchrun, a worker whose agent was killed (kill -9 leaves no one to stop
@@ -337,7 +345,7 @@ class Trainer:
             f"{layout.shard}) on {self.device.type}; {num_params / 1e6:.2f}M parameters; plan: "
             f"{describe(plan)}; global batch {layout.global_batch_size} x "
             f"{self.task.tokens_per_sample} tokens (micro {t.micro_batch_size} x accum "
-            f"{layout.grad_accum} x ranks {denv.world_size}); run dir {self.run_dir}")
+            f"{layout.grad_accum} x {_readers(layout)}); run dir {self.run_dir}")
 
     def _stop(self, step: int, reason: str) -> int:
         """After the save of a stopping step: the exit status, and a marker a launcher reads."""

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Config, ModelConfig,
-                            TrainConfig, check_writable, require)
+from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Config, ConfigError,
+                            ModelConfig, TrainConfig, check_writable, require)
 from trainer.data.base import ModelFacts
 from trainer.data.factory import source_of
 from trainer.models.families import Family, family_of
@@ -22,7 +22,13 @@ class Layout:
     replicate: int  # HSDP replica groups (1 for fsdp / none)
     shard: int  # ranks a parameter is sharded over
     grad_accum: int
-    global_batch_size: int  # sequences per optimizer step
+    global_batch_size: int  # samples per optimizer step (a sequence group's counts once)
+    sequence: int = 1  # ranks sharing each sample (sharding.sequence; 1 until auto resolves it)
+
+    @property
+    def data_size(self) -> int:
+        """How many shares of each global batch the ranks read: world size / sequence."""
+        return self.world_size // self.sequence
 
 
 def _get(cfg: Config, key: str):
@@ -61,7 +67,66 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     _check_checkpointing(cfg.checkpointing, cfg.train.compile)
     _check_run_control(cfg)
     _check_model_and_data(cfg)
-    return _layout(cfg, world_size, num_nodes)
+    layout = _layout(cfg, world_size, num_nodes)
+    _check_tiles(cfg, layout.sequence)
+    return layout
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def sequence_degree(value) -> int:
+    """sharding.sequence as a number: 1 while it is `auto` (the planner resolves it before the
+    build, as it resolves train.micro_batch_size=auto)."""
+    return value if _is_count(value) else 1
+
+
+def _check_sequence(cfg: Config, world_size: int, replicate: int) -> None:
+    """sharding.sequence: a count (or auto) that the sharding, the model's heads, the world
+    and data.seq_len all divide; before any process group starts."""
+    value, s = cfg.sharding.sequence, cfg.sharding
+    require(value == "auto" or _is_count(value), "sharding.sequence",
+            f"must be a positive integer or auto, got {value!r}")
+    degree = sequence_degree(value)
+    if degree == 1:
+        return
+    require(s.mode != "none", "sharding.sequence",
+            f"{degree} needs sharding=fsdp or hsdp (the sequence ranks shard the parameters "
+            "with FSDP), now sharding=none")
+    family_of(cfg.model).check_sequence(cfg.model, degree)
+    from sharding.degrees import check_mesh_sizes
+
+    try:
+        check_mesh_sizes(s.mode, world_size, replicate, degree)
+    except ValueError as exc:
+        raise ConfigError("sharding.sequence", str(exc)) from None
+    require(cfg.data.seq_len % degree == 0, "sharding.sequence",
+            f"{degree} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal "
+            "contiguous slice of every sample")
+
+
+def _check_tiles(cfg: Config, degree: int) -> None:
+    """checkpointing.tiles: a count (or auto), for a family whose blocks have a token-wise MLP,
+    at most one tile per token a rank holds."""
+    c = cfg.checkpointing
+    require(c.tiles == "auto" or _is_count(c.tiles), "checkpointing.tiles",
+            f"must be a positive integer or auto, got {c.tiles!r}")
+    if c.tiles in (1, "auto"):
+        return
+    require(c.policy != "file", "checkpointing.tiles",
+            "checkpointing=file carries out the plan file's own tiles per block; leave "
+            "checkpointing.tiles at 1")
+    family = family_of(cfg.model)
+    require(family.tileable, "checkpointing.tiles",
+            f"model.arch={family.arch} has no token-wise MLP to tile (llama and hf have); "
+            "set checkpointing.tiles=1")
+    tokens = cfg.data.seq_len // degree
+    held = (f"data.seq_len={cfg.data.seq_len} / sharding.sequence={degree}" if degree > 1
+            else f"data.seq_len={cfg.data.seq_len}")
+    require(c.tiles <= tokens, "checkpointing.tiles",
+            f"{c.tiles} tiles for the {tokens} tokens a rank holds ({held}): at most one "
+            "tile per token")
 
 
 def _check_ranges(cfg: Config) -> None:
@@ -237,9 +302,13 @@ def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:
         require(world_size % replicate == 0, "sharding.replicate",
                 f"{replicate} does not divide the world size {world_size}")
     shard = world_size // replicate if s.mode != "none" else 1
+    _check_sequence(cfg, world_size, replicate)
 
     # micro_batch_size=auto: the layout of micro-batch 1 until preflight/auto_plan.py chooses one.
-    per_accum = (1 if auto_batch else t.micro_batch_size) * world_size
+    # A sequence group of N ranks reads one share: the global batch counts samples, once each.
+    degree = sequence_degree(s.sequence)
+    data_size = max(1, world_size // degree)
+    per_accum = (1 if auto_batch else t.micro_batch_size) * data_size
     if t.global_batch_size is None:
         grad_accum = t.grad_accum
     else:
@@ -247,9 +316,11 @@ def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:
                 f"must be a positive integer, got {t.global_batch_size}")
         require(t.grad_accum == 1, "train.grad_accum",
                 "set either train.grad_accum or train.global_batch_size, not both")
+        what = "world size" if degree == 1 else f"(world size / sharding.sequence={degree})"
         require(t.global_batch_size % per_accum == 0, "train.global_batch_size",
-                f"{t.global_batch_size} is not divisible by train.micro_batch_size x world size "
-                f"= {t.micro_batch_size} x {world_size}")
+                f"{t.global_batch_size} is not divisible by train.micro_batch_size x {what} "
+                f"= {t.micro_batch_size} x {data_size}")
         grad_accum = t.global_batch_size // per_accum
     return Layout(world_size=world_size, replicate=replicate, shard=shard,
-                  grad_accum=grad_accum, global_batch_size=per_accum * grad_accum)
+                  grad_accum=grad_accum, global_batch_size=per_accum * grad_accum,
+                  sequence=degree)

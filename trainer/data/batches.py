@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sharding.sequence import sequence_slice
 from trainer.config import ConfigError
 from trainer.data.prefetch import Prefetcher
 from trainer.data.tokens import step_counts, train_batch, val_batches
@@ -36,10 +37,33 @@ class Sampling:
     seed: int  # of the one global order of samples
     eval_batches: int  # validation micro-batches per rank
     preparer: bool = True  # this process prepares what is not cached yet (one per node)
+    # sharding.sequence: groups of this many adjacent ranks read the same samples, each its
+    # contiguous slice of every sample's tokens.
+    sequence: int = 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each global batch this rank's sequence group reads."""
+        return self.rank // self.sequence
+
+    @property
+    def data_size(self) -> int:
+        return self.world_size // self.sequence
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.grad_accum * self.world_size
+        """Samples per step, each counted once (its sequence group shares it)."""
+        return self.micro_batch_size * self.grad_accum * self.data_size
+
+    def sliced(self, batches: list[Batch]) -> list[Batch]:
+        """This rank's slice of each micro-batch (inputs, targets, and packed positions:
+        slice rank % N of N along the sequence), in host memory: only the slice travels to the
+        device. The model takes the slice's global positions (sharding.sequence's models)."""
+        if self.sequence == 1:
+            return batches
+        place = self.rank % self.sequence
+        return [tuple(sequence_slice(t, place, self.sequence).contiguous() for t in batch)
+                for batch in batches]
 
 
 class Data:
@@ -52,7 +76,8 @@ class Data:
     def batch(self, index: int) -> tuple[list[Batch], Counts]:
         raise NotImplementedError
 
-    def check_resume(self, saved_world_size: int, saved_global_batch: int) -> None:
+    def check_resume(self, saved_world_size: int, saved_global_batch: int,
+                     saved_sequence: int = 1) -> None:
         """Refuse a checkpoint this data cannot continue from (ConfigError)."""
 
     def close(self) -> None:
@@ -65,8 +90,9 @@ class SampledData(Data):
 
     def __init__(self, train, val, sampling: Sampling, workers: int) -> None:
         self.train, self.sampling = train, sampling
-        self.val = val_batches(val, sampling.eval_batches, sampling.micro_batch_size,
-                               sampling.rank, sampling.world_size)
+        self.val = sampling.sliced(val_batches(val, sampling.eval_batches,
+                                               sampling.micro_batch_size, sampling.data_rank,
+                                               sampling.data_size))
         self._ahead = Prefetcher(self._read, workers)
 
     def batch(self, index: int) -> tuple[list[Batch], Counts]:
@@ -74,8 +100,8 @@ class SampledData(Data):
 
     def _read(self, index: int) -> tuple[list[Batch], Counts]:
         s = self.sampling
-        return (train_batch(self.train, index, s.micro_batch_size, s.grad_accum, s.rank,
-                            s.world_size, s.seed),
+        return (s.sliced(train_batch(self.train, index, s.micro_batch_size, s.grad_accum,
+                                     s.data_rank, s.data_size, s.seed)),
                 step_counts(self.train, index, s.global_batch_size, s.seed))
 
     def close(self) -> None:
@@ -88,30 +114,44 @@ class StreamedData(Data):
     def __init__(self, stream, val, sampling: Sampling, workers: int, device: torch.device,
                  watchdog: TimeoutWatchdog) -> None:
         self.stream, self.sampling, self.device, self.watchdog = stream, sampling, device, watchdog
-        self.val = val_batches(val, sampling.eval_batches, sampling.micro_batch_size,
-                               sampling.rank, sampling.world_size)
+        self.val = sampling.sliced(val_batches(val, sampling.eval_batches,
+                                               sampling.micro_batch_size, sampling.data_rank,
+                                               sampling.data_size))
         self._ahead = Prefetcher(stream.read, workers)
 
     def batch(self, index: int) -> tuple[list[Batch], Counts]:
         batches, counts = self._ahead.get(index)
+        batches = self.sampling.sliced(batches)
         if not dist.is_initialized():
             return batches, counts
         total = torch.tensor(counts, dtype=torch.int64, device=self.device)
         with self.watchdog(f"batch {index} (summing the stream's token counts over the ranks)"):
             dist.all_reduce(total)
-        return batches, (int(total[0]), int(total[1]))
+        # Each rank of a sequence group counted its group's whole windows: once per group.
+        return batches, (int(total[0]) // self.sampling.sequence,
+                         int(total[1]) // self.sampling.sequence)
 
-    def check_resume(self, saved_world_size: int, saved_global_batch: int) -> None:
-        """Records are split between the ranks: another world size or global batch would hand
-        each rank other records, so the run could not continue where it stood."""
+    def check_resume(self, saved_world_size: int, saved_global_batch: int,
+                     saved_sequence: int = 1) -> None:
+        """Records are split between the sequence groups: another number of them or another
+        global batch would hand each other records, so the run could not continue where it
+        stood (the degree itself may change with the world: 2 ranks at N=2 read as 1 at N=1)."""
         s = self.sampling
-        if (saved_world_size, saved_global_batch) != (s.world_size, s.global_batch_size):
+        saved_shares = saved_world_size // saved_sequence
+        if (saved_shares, saved_global_batch) != (s.data_size, s.global_batch_size):
             raise ConfigError(
                 "data.streaming", f"this run streams its data and was saved by "
-                f"{saved_world_size} ranks with a global batch of {saved_global_batch}; a stream "
-                f"resumes only on the same (now {s.world_size} ranks, {s.global_batch_size}): "
-                f"start it on {saved_world_size} ranks, or prepare the data once "
+                f"{_readers(saved_world_size, saved_sequence)} with a global batch of "
+                f"{saved_global_batch}; a stream resumes only on the same (now "
+                f"{_readers(s.world_size, s.sequence)}, {s.global_batch_size}): start it on "
+                f"{saved_world_size} ranks, or prepare the data once "
                 "(data.streaming=false) to resume anywhere")
 
     def close(self) -> None:
         self._ahead.close()
+
+
+def _readers(world_size: int, sequence: int) -> str:
+    if sequence == 1:
+        return f"{world_size} ranks"
+    return f"{world_size} ranks in groups of sharding.sequence={sequence}"

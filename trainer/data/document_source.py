@@ -75,7 +75,8 @@ class StreamSource(DocumentSource):
                 "data.streaming=true reads validation from its own file: set data.val_path")
 
     def _stream_share(self, sampling: Sampling) -> Optional[tuple[int, int, int, int]]:
-        return (sampling.rank, sampling.world_size, sampling.micro_batch_size,
+        # A sequence group reads one share of the records: its ranks slice the same windows.
+        return (sampling.data_rank, sampling.data_size, sampling.micro_batch_size,
                 sampling.grad_accum)
 
     def open(self, d: DataConfig, model: ModelFacts, sampling: Sampling,

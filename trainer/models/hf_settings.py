@@ -10,6 +10,11 @@ import os
 from trainer.config import ConfigError, ModelConfig, require
 
 
+# HF attention implementations sequence parallelism runs (trainer/models/sequence_parallel.py
+# builds their whole-sequence masks); here, without torch, for the validator.
+HF_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
 def hf_fields(m: ModelConfig) -> dict:
     """The HF config's fields as given (hf_config) or saved (path/config.json)."""
     if m.path:

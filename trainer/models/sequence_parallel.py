@@ -28,13 +28,12 @@ import torch
 import torch.distributed as dist
 
 from sharding.sequence import gather_sequence, kv_repeats, ulysses_attention
+from trainer.models.hf_settings import HF_IMPLEMENTATIONS  # re-exported: the torch-free list
 
 Attend = Callable[..., torch.Tensor]
 # The HF attention kwarg carrying the whole-sequence mask (None: causal) to the wrapped attention;
 # HF passes unknown keyword arguments of the model's forward down to its attention functions.
 SEQUENCE_MASK = "blocktrain_sequence_mask"
-# HF attention implementations whose functions take a whole-sequence mask we can build.
-HF_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 def group_place(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:

@@ -45,6 +45,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
         _blocks(cfg)
         _data(cfg)
         _head(cfg)
+        _sequence(cfg)
         if layout is not None:
             _memory(cfg, layout, gpus_per_node)
     except ValueError as exc:
@@ -89,6 +90,26 @@ def _blocks(cfg: Config) -> None:
     from trainer.build import build_on_meta, find_model_blocks
 
     find_model_blocks(build_on_meta(cfg.model), cfg.model)
+
+
+def _sequence(cfg: Config) -> None:
+    """sharding.sequence > 1 on the meta model (an HF model's attention in the registry, its
+    heads however its config names them); checkpointing.tiles > 1: every block has the MLP its
+    family tiles."""
+    from trainer.validate import sequence_degree
+
+    family, degree, tiles = family_of(cfg.model), sequence_degree(cfg.sharding.sequence), \
+        cfg.checkpointing.tiles
+    if degree > 1:
+        family.check_sequence_parallel(cfg.model, degree)
+    if isinstance(tiles, int) and tiles > 1:
+        from trainer.build import build_on_meta, find_model_blocks
+
+        names, blocks = find_model_blocks(build_on_meta(cfg.model), cfg.model)
+        missing = [n for n, b in zip(names, blocks) if family.mlp_of(b) is None]
+        if missing:
+            raise ConfigError("checkpointing.tiles", f"blocks {', '.join(missing[:3])} have no "
+                              "token-wise MLP (`mlp`) to tile; set checkpointing.tiles=1")
 
 
 def _data(cfg: Config) -> None:

@@ -45,6 +45,10 @@ def read_plan(path: str, names: Sequence[str], shard: bool, compiled: bool) -> l
             if not compiled:
                 raise ConfigError("train.compile", f"{path} leaves block {row['name']}'s "
                                   "recompute to the compiler: set train.compile=true")
+        tiles = row.get("tiles", 1)
+        if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+            raise ConfigError(key, f"{path}, block {row['name']}: tiles={tiles!r}; an integer "
+                              ">= 1 (1: the MLP whole)")
         values = {k: v for k, v in row.items() if k in known}
         plan.append(BlockPlan(**{**values, "index": index, "shard": shard}))
     return plan

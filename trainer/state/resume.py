@@ -64,6 +64,7 @@ class RunRecord:
         return {"progress": dataclasses.asdict(progress), "scheduler": scheduler.state_dict(),
                 "world_size": self.layout.world_size,
                 "global_batch_size": self.layout.global_batch_size,
+                "sequence": self.layout.sequence,
                 "seq_len": self.cfg.data.seq_len, "data_seed": self.cfg.train.seed,
                 "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg)}
 
@@ -90,7 +91,7 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
     if loaded is None:
         return None
     state = loaded.state
-    data.check_resume(state["world_size"], state["global_batch_size"])
+    data.check_resume(state["world_size"], state["global_batch_size"], state.get("sequence", 1))
     progress = restore(loaded, model.scheduler)
     notes = [f"resumed from {loaded.path} (step {progress.step}, batch {progress.batch_index})"]
     if not loaded.rng_restored:

@@ -143,16 +143,29 @@ class Family:
         return model.flops_per_token(tokens_per_sample)
 
     # Sequence parallelism (sharding.sequence, trainer/models/sequence_parallel.py).
-    def check_sequence_parallel(self, m: ModelConfig) -> None:
-        """Refuse, with the ConfigError naming the key, a model this family cannot run
-        sequence-parallel (the degree's own checks are sharding/sequence.py's)."""
+    def check_sequence(self, m: ModelConfig, degree: int) -> None:
+        """Without torch (trainer/validate.py): refuse, with the ConfigError naming the key, a
+        sequence degree > 1 this family's settings cannot split (its heads, its attention)."""
         raise ConfigError("sharding.sequence", f"model.arch={self.arch} has no sequence "
-                          "parallelism (llama and hf have)")
+                          "parallelism (llama and hf have); set sharding.sequence=1")
+
+    def check_sequence_parallel(self, m: ModelConfig, degree: int = 1) -> None:
+        """With torch, on the meta model (trainer/preflight/precheck.py): what the settings
+        alone cannot tell. Refuses with the ConfigError naming the key."""
+        self.check_sequence(m, degree)
 
     def sequence_parallel(self, model: nn.Module, group: torch.distributed.ProcessGroup) -> int:
         """Make `model` run sequence-parallel over `group`; returns the attention modules
         wrapped. Once per model, before or after FSDP; see the subclass for its contract."""
         raise NotImplementedError(f"model.arch={self.arch} has no sequence parallelism")
+
+    # Sequence tiles (checkpointing.tiles, checkpointing/tiles.py).
+    tileable = False  # its blocks have a token-wise MLP that mlp_of finds
+
+    def mlp_of(self, block: nn.Module) -> Optional[nn.Module]:
+        """The token-wise MLP of one block, which sequence tiles compute a slice at a time
+        (called with one [batch, tokens, dim] tensor); None: the block has none."""
+        return None
 
     # Task, head and loss.
     def task(self, m: ModelConfig, seq_len: int, summed: bool,

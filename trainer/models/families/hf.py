@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from trainer.config import ConfigError, ModelConfig, require
 from trainer.models.families.base import LanguageModel
-from trainer.models.hf_settings import check_hf_source, hf_fields
+from trainer.models.hf_settings import HF_IMPLEMENTATIONS, check_hf_source, hf_fields
 
 if TYPE_CHECKING:
     import torch
@@ -72,23 +72,46 @@ class HFCausalLM(LanguageModel):
 
         return wrap_hf_attention(model.hf, wrap)
 
-    def check_sequence_parallel(self, m: ModelConfig) -> None:
-        """Sequence parallelism reaches an HF model only through transformers' attention
-        registry, with an implementation whose whole-sequence mask it builds (sdpa, eager);
-        anything else is refused naming model.attn_implementation."""
-        from trainer.models.sequence_parallel import HF_IMPLEMENTATIONS
+    tileable = True
 
+    def check_sequence(self, m: ModelConfig, degree: int) -> None:
+        """Without torch: an implementation whose whole-sequence mask we build (sdpa, eager),
+        and a degree dividing the heads and the KV heads (HF repeats KV heads inside its
+        attention, after the all-to-all: they cannot be repeated before it). Heads the config's
+        fields do not name are checked on the meta model (check_sequence_parallel)."""
         key = "model.attn_implementation"
         if m.attn_implementation not in HF_IMPLEMENTATIONS:
-            raise ConfigError(key, f"{m.attn_implementation!r} cannot run sequence-parallel; "
-                              f"use one of {', '.join(HF_IMPLEMENTATIONS)}")
+            raise ConfigError(key, f"{m.attn_implementation!r} cannot run sequence-parallel "
+                              f"(sharding.sequence={degree}); use one of "
+                              f"{', '.join(HF_IMPLEMENTATIONS)}")
+        fields = hf_fields(m)
+        heads = fields.get("num_attention_heads")
+        kv_heads = fields.get("num_key_value_heads") or heads
+        if isinstance(heads, int) and isinstance(kv_heads, int):
+            _divides_heads(degree, heads, kv_heads)
+
+    def check_sequence_parallel(self, m: ModelConfig, degree: int = 1) -> None:
+        """Sequence parallelism reaches an HF model only through transformers' attention
+        registry, with an implementation whose whole-sequence mask it builds (sdpa, eager);
+        anything else is refused naming model.attn_implementation. The heads are read from
+        the built config (whatever its fields are called) and checked against `degree`."""
+        key = "model.attn_implementation"
+        self.check_sequence(m, 1)
         model = self.build_on_meta(m)
+        heads = model.hf.config.num_attention_heads
+        _divides_heads(degree, heads, getattr(model.hf.config, "num_key_value_heads", None)
+                       or heads)
         layers = getattr(model.hf.config, "num_hidden_layers", None)
         found = len(self.attention_modules(model))
         if found == 0 or (layers is not None and found != layers):
             raise ConfigError(key, f"this {model.hf.config.model_type} model's attention does "
                               f"not go through transformers' attention registry in every layer "
                               f"({found} of {layers}); it cannot run sequence-parallel")
+
+    def mlp_of(self, block: nn.Module) -> Optional[nn.Module]:
+        """Llama-style decoder layers (Llama, Mistral, Qwen, Gemma, GPT-2, ...) call theirs
+        `mlp`."""
+        return getattr(block, "mlp", None)
 
     def sequence_parallel(self, model: nn.Module, group) -> int:
         """As the built-in Llama's (families/llama.py): every attention module's registered
@@ -97,7 +120,7 @@ class HFCausalLM(LanguageModel):
         unpacked rows (the model passes the slice's global positions as position_ids). The
         model's implementation must pass check_sequence_parallel, and the group must divide
         its KV heads. Returns the attention modules wrapped."""
-        from trainer.models.sequence_parallel import HF_IMPLEMENTATIONS, hf_ulysses_wrap
+        from trainer.models.sequence_parallel import hf_ulysses_wrap
 
         implementation = model.hf.config._attn_implementation
         if implementation not in HF_IMPLEMENTATIONS:
@@ -132,6 +155,13 @@ class HFCausalLM(LanguageModel):
 
         save_pretrained(tensors, model.get("hf_config"), model.get("path"), out)
         return out
+
+
+def _divides_heads(degree: int, heads: int, kv_heads: int) -> None:
+    if heads % degree or kv_heads % degree:
+        raise ConfigError("sharding.sequence", f"{degree} must divide the model's attention "
+                          f"heads ({heads}) and KV heads ({kv_heads}): each rank attends with "
+                          "1/N of them, and an HF model repeats its KV heads after the split")
 
 
 FAMILY = HFCausalLM()

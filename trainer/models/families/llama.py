@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.config import ModelConfig
+from trainer.config import ConfigError, ModelConfig
 from trainer.models.families.base import LanguageModel
 
 if TYPE_CHECKING:
@@ -38,8 +38,25 @@ class Llama(LanguageModel):
 
         return [module for module in model.modules() if isinstance(module, Attention)]
 
-    def check_sequence_parallel(self, m: ModelConfig) -> None:
-        """Every built-in Llama attends through its `attend` hook: nothing to refuse here."""
+    tileable = True
+
+    def check_sequence(self, m: ModelConfig, degree: int) -> None:
+        """The degree divides the attention heads; KV heads it does not divide are repeated
+        (sharding/degrees.py's kv_repeats)."""
+        from sharding.degrees import kv_repeats
+
+        try:
+            kv_repeats(m.n_heads, m.n_kv_heads, degree)
+        except ValueError as exc:
+            raise ConfigError("sharding.sequence", f"{exc} (model.n_heads={m.n_heads}, "
+                              f"model.n_kv_heads={m.n_kv_heads})") from None
+
+    def check_sequence_parallel(self, m: ModelConfig, degree: int = 1) -> None:
+        """Every built-in Llama attends through its `attend` hook: nothing more to refuse."""
+        self.check_sequence(m, degree)
+
+    def mlp_of(self, block: nn.Module) -> nn.Module:
+        return block.feed_forward
 
     def sequence_parallel(self, model: nn.Module, group: ProcessGroup) -> int:
         """Run `model` sequence-parallel over `group` (N ranks sharing each sample): every
