@@ -4,6 +4,7 @@
                                   [trainer overrides ...]
     python -m launch.bench --memory-gib 0.06,0.1,0.2 train.global_batch_size=32 ...
     python -m launch.bench --reference [...]   (against a plain loop: reference.py)
+    python -m launch.bench --sequence [...]    (sharding.sequence and tiles: sequence.py)
 
 Each (policy, offload target) runs as its own `python -m trainer` (or torchrun) job with the same
 overrides. The table shows the median step time (first step excluded) and its ratio to the same
@@ -187,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         from launch.bench.reference import main as reference
 
         return reference([a for a in argv if a != "--reference"])
+    if "--sequence" in argv:  # sharding.sequence and checkpointing.tiles: launch/bench/sequence.py
+        from launch.bench.sequence import main as sequence
+
+        return sequence([a for a in argv if a != "--sequence"])
     return policy_tables(argv)
 
 
@@ -208,6 +213,11 @@ def _parser() -> argparse.ArgumentParser:
                              "per-step counts (launch/bench/reference.py; it also takes "
                              "--models, --micro-batch, --seq, --dropout, --device, --malloc, "
                              "--control, --interleave, --layers, --overrides)")
+    parser.add_argument("--sequence", action="store_true",
+                        help="sharding.sequence=P against 1 on P ranks (live peak per rank, "
+                             "step time) and a tiled against an untiled block "
+                             "(launch/bench/sequence.py; it also takes --seq-len, --tiles, "
+                             "--repeats)")
     parser.add_argument("--budgets", default=None,
                         help="comma-separated checkpointing.budget fractions: budget (eager, "
                              "compiled) beside checkpointing=compiler at each")
