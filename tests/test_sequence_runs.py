@@ -31,7 +31,7 @@ def chat(work: Path) -> list[str]:
     """Packed chat data (document masks), a local ChatML tokenizer, 64-token windows."""
     return ["data=chat", f"data.path={work / 'chats.jsonl'}", f"data.tokenizer={work / 'tok'}",
             "model.vocab_size=300", f"data.cache_dir={work / 'cache'}", "data.seq_len=64",
-            "train.eval_batches=1", "logging.wandb=false", "logging.progress=false",
+            "data.val_fraction=0.2", "logging.wandb=false", "logging.progress=false",
             "train.global_batch_size=4"]
 
 
@@ -122,11 +122,19 @@ def _stream_counts(rank: int, world: int) -> dict:
 
 def _two_ranks(rank: int, world: int, work: str) -> dict:
     base = chat(Path(work))
-    n1, n2 = ["train.micro_batch_size=2"], ["train.micro_batch_size=1", "sharding.sequence=2"]
+    # The same 4 samples a step, and the same 4 validation samples (eval_batches x micro x groups).
+    n1 = ["train.micro_batch_size=2", "train.eval_batches=1"]
+    n2 = ["train.micro_batch_size=1", "sharding.sequence=2", "train.eval_batches=4"]
     chunked = ["checkpointing.head=chunked", "checkpointing.head_chunk_tokens=16"]
     llama, hf = [*base, "model.dropout=0.0"], [*base, "model=hf", HF_LLAMA]
     dropout = [*base, "model.dropout=0.1"]
+    # A mean loss (token windows, no packing): each slice's mean, averaged over the ranks.
+    tokens = ["data=synthetic", "data.seq_len=64", "model.dropout=0.0",
+              "data.val_fraction=0.2", "logging.wandb=false", "logging.progress=false",
+            "train.global_batch_size=4"]
     pairs = {
+        "synthetic": ([*tokens, *n2], [*tokens, *n1]),
+        "synthetic-chunked": ([*tokens, *n2, *chunked], [*tokens, *n1, *chunked]),
         "llama": ([*llama, *n2, *chunked], [*llama, *n1, *chunked]),
         "hf": ([*hf, *n2, *chunked], [*hf, *n1, *chunked]),
         "hf-plain-selective": ([*hf, *n2, "checkpointing=selective"], [*hf, *n1]),
@@ -148,7 +156,7 @@ def _two_ranks(rank: int, world: int, work: str) -> dict:
 
 def _four_ranks(rank: int, world: int, work: str) -> dict:
     llama = [*chat(Path(work)), "model.dropout=0.0", "checkpointing.head=chunked",
-             "checkpointing.head_chunk_tokens=16", "checkpointing=full"]
+             "checkpointing.head_chunk_tokens=16", "checkpointing=full", "train.eval_batches=1"]
     return _compare({"llama-2x2": ([*llama, "train.micro_batch_size=2", "sharding.sequence=2"],
                                    [*llama, "train.micro_batch_size=1"])}, work, rank)
 
@@ -158,7 +166,7 @@ def two_ranks(work) -> list[dict]:
     return spawn(_two_ranks, 2, str(work))
 
 
-CASES = ("llama", "hf", "hf-plain-selective", "tiles-none", "tiles-full", "tiles-selective-disk",
+CASES = ("synthetic", "synthetic-chunked", "llama", "hf", "hf-plain-selective", "tiles-none", "tiles-full", "tiles-selective-disk",
          "hf-tiles-sequence", "compiled-tiles-sequence")
 
 
@@ -201,13 +209,13 @@ def test_a_run_saved_at_sequence_2_resumes_at_1(work, tmp_path) -> None:
     run = [*QUICK, *chat(work), "model.dropout=0.0", "train.steps=4", "save.every=2",
            "train.micro_batch_size=1", "optim.lr=3e-3"]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    check_ok(run_trainer([*run, "sharding.sequence=2", f"hydra.run.dir={whole}"], tmp_path,
-                         nproc=2))
-    stopped = run_trainer([*run, "sharding.sequence=2", "train.stop_at_step=2",
-                           f"hydra.run.dir={split}"], tmp_path, nproc=2)
+    at_2 = ["sharding.sequence=2", "train.eval_batches=4"]  # 4 validation samples, as at 1
+    check_ok(run_trainer([*run, *at_2, f"hydra.run.dir={whole}"], tmp_path, nproc=2))
+    stopped = run_trainer([*run, *at_2, "train.stop_at_step=2", f"hydra.run.dir={split}"],
+                          tmp_path, nproc=2)
     assert "stopping (train.stop_at_step): saved step 2" in stopped.stderr + stopped.stdout
-    check_ok(run_trainer([*run, "train.micro_batch_size=2", f"hydra.run.dir={split}"],
-                         tmp_path, nproc=2))
+    check_ok(run_trainer([*run, "train.micro_batch_size=2", "train.eval_batches=1",
+                          f"hydra.run.dir={split}"], tmp_path, nproc=2))
     assert losses(split) == pytest.approx(losses(whole), rel=TOLERANCE, abs=0)
     assert len(losses(split)) == 4
     log = (split / "train.log").read_text()

@@ -81,6 +81,11 @@ def train_step(parts: StepParts, micro_batches: Sequence[Batch], loss_fn: LossFn
     the whole global batch, so that the loss is their mean whatever the micro-batches and
     ranks hold (gradients are averaged over ranks, hence the world size). Otherwise each
     micro-batch's mean counts 1 / its number.
+    Under sharding.sequence=N a micro-batch is this rank's 1/N slice of its samples. The summed
+    loss still divides by the whole global batch's count (each token once). A mean loss is the
+    slice's mean, which is exact: mean-loss data (token windows) supervises every target, so
+    each slice holds 1/N of its micro-batch's, and the average over all ranks of the slices'
+    means is N=1's average of the samples' means (tests/test_sequence_runs.py).
     The update is applied only if the guard accepts the step; it judges the loss averaged over
     ranks and the global gradient norm, so every rank decides the same.
     """
