@@ -157,8 +157,12 @@ def _two_ranks(rank: int, world: int, work: str) -> dict:
 def _four_ranks(rank: int, world: int, work: str) -> dict:
     llama = [*chat(Path(work)), "model.dropout=0.0", "checkpointing.head=chunked",
              "checkpointing.head_chunk_tokens=16", "checkpointing=full", "train.eval_batches=1"]
-    return _compare({"llama-2x2": ([*llama, "train.micro_batch_size=2", "sharding.sequence=2"],
-                                   [*llama, "train.micro_batch_size=1"])}, work, rank)
+    n2 = [*llama, "train.micro_batch_size=2", "sharding.sequence=2"]
+    reference = [*llama, "train.micro_batch_size=1"]
+    # hsdp: 2 replicas x (1 data x 2 sequence ranks): the sequence axis inside each replica.
+    return _compare({"llama-2x2": (n2, reference),
+                     "llama-hsdp": ([*n2, "sharding=hsdp", "sharding.replicate=2"], reference)},
+                    work, rank)
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +200,14 @@ def test_a_stream_counts_a_sequence_groups_samples_once(two_ranks) -> None:
         assert len(stream["val"][0]) == 4  # validation is sliced alike
 
 
-def test_sequence_2_by_fsdp_2_on_four_ranks(work) -> None:
-    got = spawn(_four_ranks, 4, str(work))[0]["llama-2x2"]
-    assert got["loss"][0] == pytest.approx(got["loss"][1], rel=TOLERANCE, abs=0)
-    assert got["val"][0] == pytest.approx(got["val"][1], rel=TOLERANCE, abs=0)
-    assert got["grad_error"] < TOLERANCE, got["grad_error"]
+def test_sequence_2_by_fsdp_2_and_by_hsdp_2_on_four_ranks(work) -> None:
+    ranks = spawn(_four_ranks, 4, str(work))
+    for name in ("llama-2x2", "llama-hsdp"):
+        got = ranks[0][name]
+        assert got["loss"][0] == pytest.approx(got["loss"][1], rel=TOLERANCE, abs=0), name
+        assert got["val"][0] == pytest.approx(got["val"][1], rel=TOLERANCE, abs=0), name
+        assert got["grad_error"] < TOLERANCE, (name, got["grad_error"])
+        assert got["slice"] == (2, 32), name  # micro-batches of 2 samples, half of each
 
 
 def test_a_run_saved_at_sequence_2_resumes_at_1(work, tmp_path) -> None:
