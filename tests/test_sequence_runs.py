@@ -148,6 +148,9 @@ def _two_ranks(rank: int, world: int, work: str) -> dict:
                                *chunked], [*hf, *n1, *chunked]),
         "compiled-tiles-sequence": ([*llama, *n2, "checkpointing.tiles=2", "train.compile=true",
                                      "train.compile_backend=aot_eager"], [*llama, *n1]),
+        "compiler-tiles": ([*llama, *n1, "checkpointing=compiler", "checkpointing.budget=0.5",
+                            "train.compile=true", "train.compile_backend=aot_eager",
+                            "checkpointing.tiles=2"], [*llama, *n1]),
     }
     out = _compare(pairs, work, rank)
     out["stream"] = _stream_counts(rank, world)
@@ -171,7 +174,7 @@ def two_ranks(work) -> list[dict]:
 
 
 CASES = ("synthetic", "synthetic-chunked", "llama", "hf", "hf-plain-selective", "tiles-none", "tiles-full", "tiles-selective-disk",
-         "hf-tiles-sequence", "compiled-tiles-sequence")
+         "hf-tiles-sequence", "compiled-tiles-sequence", "compiler-tiles")
 
 
 @pytest.mark.parametrize("name", CASES)
