@@ -158,6 +158,13 @@ def test_a_plan_file_keeps_its_own_tiles(tmp_path) -> None:
     assert [p.tiles for p in plan] == [3, 1]
     assert run_tiles(plan, config("checkpointing=file", f"checkpointing.plan_file={path}")
                      .checkpointing) == plan
+    tiled = config("checkpointing.tiles=2").checkpointing
+    assert [p.tiles for p in run_tiles(plan, tiled)] == [2, 2]  # a fixed policy: every block
+    assert run_tiles(plan, tiled, decided=True) == plan  # the planner's own tiles stay
+    auto = config("checkpointing.tiles=auto").checkpointing
+    assert run_tiles(plan, auto, decided=True) == plan
+    with pytest.raises(ConfigError, match="^checkpointing.tiles: auto is chosen by the planner"):
+        run_tiles(plan, auto)
     path.write_text(json.dumps([{"index": 0, "name": "a", "tiles": 0}]))
     with pytest.raises(ConfigError, match=r"^checkpointing.plan_file: .*block a: tiles=0"):
         read_plan(str(path), ["a"], True, False)

@@ -270,7 +270,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
         plan, profiles, rest, budget = plan_blocks(cfg, model, names, blocks, denv, run_dir)
     if cfg.checkpointing.policy not in ("budget", "auto", "file"):  # those decided offload
         plan = with_offload(plan, o.target, o.keep_last)
-    plan = run_tiles(plan, cfg.checkpointing)
+    plan = run_tiles(plan, cfg.checkpointing, decided is not None)
     # Tiles first: the MLP's tiled forward is what the checkpoint wrapper recomputes.
     apply_tiles([family_of(cfg.model).mlp_of(block) for block in blocks], plan)
     # Order matters: the checkpoint wrapper, then compile (the checkpoint is traced into the
@@ -317,15 +317,16 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
                  build_s=time.perf_counter() - started, started=started)
 
 
-def run_tiles(plan: list[BlockPlan], c: CheckpointingConfig) -> list[BlockPlan]:
-    """checkpointing.tiles=N gives every block N tiles; a plan file's or a planner's plan that
-    already carries tiles keeps its own."""
+def run_tiles(plan: list[BlockPlan], c: CheckpointingConfig,
+              decided: bool = False) -> list[BlockPlan]:
+    """checkpointing.tiles=N gives every block N tiles; a plan file's, or a plan the planner
+    decided (`decided`: checkpointing=auto's), keeps its own."""
+    if c.policy == "file" or decided and (c.tiles == "auto" or any(p.tiles > 1 for p in plan)):
+        return plan
     if c.tiles == "auto":
         raise ConfigError("checkpointing.tiles", "auto is chosen by the planner before the "
                           "build (checkpointing=auto or train.micro_batch_size=auto); set a "
                           "number of tiles for this policy")
-    if c.policy == "file" or any(p.tiles > 1 for p in plan):
-        return plan
     return with_tiles(plan, c.tiles)
 
 

@@ -188,10 +188,6 @@ def main(argv: list[str] | None = None) -> int:
         from launch.bench.reference import main as reference
 
         return reference([a for a in argv if a != "--reference"])
-    if "--sequence" in argv:  # sharding.sequence and checkpointing.tiles: launch/bench/sequence.py
-        from launch.bench.sequence import main as sequence
-
-        return sequence([a for a in argv if a != "--sequence"])
     return policy_tables(argv)
 
 
