@@ -138,6 +138,12 @@ class Family:
 
         return wrap_attend(self.attention_modules(model), wrap)
 
+    def mlp_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Each block's token-wise MLP (called with one [B, T, dim] tensor), in forward order:
+        what sequence tiles (checkpointing.tiles, checkpointing/tiles.py) compute in slices.
+        Empty: the family has none to tile."""
+        return []
+
     def flops_per_token(self, m: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
         """Training FLOPs per token (forward and backward), for MFU."""
         return model.flops_per_token(tokens_per_sample)

@@ -67,6 +67,11 @@ class HFCausalLM(LanguageModel):
 
         return hf_attention_modules(model.hf)
 
+    def mlp_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The `mlp` of each decoder layer (Llama, Qwen, Mistral, Gemma and most causal LMs
+        name it so); none where the layers have no such child."""
+        return [layer.mlp for _, layer in self.blocks(model, None) if hasattr(layer, "mlp")]
+
     def wrap_attention(self, model: nn.Module, wrap: Callable) -> int:
         from trainer.models.hf import wrap_hf_attention
 

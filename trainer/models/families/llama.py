@@ -38,6 +38,11 @@ class Llama(LanguageModel):
 
         return [module for module in model.modules() if isinstance(module, Attention)]
 
+    def mlp_modules(self, model: nn.Module) -> list[nn.Module]:
+        from trainer.models.llama import FeedForward
+
+        return [module for module in model.modules() if isinstance(module, FeedForward)]
+
     def check_sequence_parallel(self, m: ModelConfig) -> None:
         """Every built-in Llama attends through its `attend` hook: nothing to refuse here."""
 
