@@ -27,26 +27,19 @@ from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config
 from trainer.models.families import family_of
+from trainer.preflight.degrees import sequence_degree, tile_count
 from trainer.validate import Layout, validate
 from trainer.task import task_for
 
 # Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
 # reached, and one NVMe drive.
 NOMINAL_SECONDS_PER_BYTE = {"cpu": 1 / 20e9, "disk": 1 / 2e9}
+# Ulysses' all-to-all, bytes a rank sends per second where nothing is measured: a sequence group
+# inside one node (NVLink, as all-to-alls of tens of MiB usually reach on H100/H200 nodes) or
+# spread over nodes (one 200 Gb/s network port per GPU). A round figure, not a measurement.
+NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
 
 
-
-
-def sequence_degree(cfg: Config) -> int:
-    """sharding.sequence as a number (`auto` before auto has chosen: 1)."""
-    value = cfg.sharding.sequence
-    return 1 if value in (None, "auto") else int(value)
-
-
-def tile_count(cfg: Config) -> int:
-    """checkpointing.tiles as a number (`auto` before auto has chosen: 1)."""
-    value = cfg.checkpointing.tiles
-    return 1 if value in (None, "auto") else int(value)
 
 
 def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaUlysses]:
@@ -113,7 +106,8 @@ def setup_of(scenario: Scenario, orig_dtype: torch.dtype, optimizer_foreach: boo
                  reshard_after_forward=s.reshard_after_forward,
                  optimizer_foreach=optimizer_foreach,
                  cpu_offload=s.cpu_offload and device_type == "cuda",
-                 offload_min_bytes=o.min_bytes if moves else None)
+                 offload_min_bytes=o.min_bytes if moves else None,
+                 offload_target=o.target)
 
 
 def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockProfile]:
