@@ -42,6 +42,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--longest", action="store_true",
                         help="search the longest data.seq_len that fits (the given or auto "
                              "plan, tiles, sequence degree) and report it")
+    parser.add_argument("--longest-step", type=int, default=1024,
+                        help="--longest: lengths are multiples of this many tokens (and of "
+                             "the sequence degree); fewer lengths to try when larger")
     parser.add_argument("--out", default=None, help="folder for memory_plan.{json,png}")
     parser.add_argument("overrides", nargs="*", help="the trainer's Hydra overrides")
     args = parser.parse_intermixed_args(list(argv))
@@ -54,6 +57,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError("--gpu-memory-gib", f"must be > 0, got {args.gpu_memory_gib}")
     if args.host_memory_gib is not None and not args.host_memory_gib > 0:
         raise ConfigError("--host-memory-gib", f"must be > 0, got {args.host_memory_gib}")
+    if args.longest_step < 1:
+        raise ConfigError("--longest-step", f"must be a positive integer, got {args.longest_step}")
     if not args.tflops > 0:
         raise ConfigError("--tflops", f"must be > 0, got {args.tflops}")
     return args
@@ -113,7 +118,7 @@ def predict(scenario, evaluator, capacity: Optional[int], tflops: float):
 
 
 def predict_longest(scenario, evaluator, capacity: Optional[int], host: Optional[int],
-                    tflops: float):
+                    tflops: float, step_tokens: int):
     """--longest: (outcome, decision, the search's lengths tried)."""
     from trainer.preflight.longest import longest
     from trainer.preflight.tables import host_fits
@@ -131,7 +136,7 @@ def predict_longest(scenario, evaluator, capacity: Optional[int], host: Optional
         return (outcome.estimate.peak.total <= capacity and host_fits(outcome, host),
                 outcome, decision)
 
-    found = longest(scenario, attempt)
+    found = longest(scenario, attempt, step_tokens)
     return found.outcome, found.decision, found.tried
 
 
@@ -164,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         capacity = capacity_bytes(args, cfg)
         if args.longest:
             outcome, decision, tried = predict_longest(scenario, evaluator, capacity, host,
-                                                       args.tflops)
+                                                       args.tflops, args.longest_step)
         else:
             outcome, decision = predict(scenario, evaluator, capacity, args.tflops)
     except BudgetError as exc:  # the trainer refuses this budget the same way

@@ -30,10 +30,10 @@ class Longest:
     tried: tuple[tuple[int, bool], ...]  # (seq_len, fits) in the order tried
 
 
-def step_of(scenario: Scenario) -> int:
+def step_of(scenario: Scenario, tokens: int = STEP_TOKENS) -> int:
     value = scenario.cfg.sharding.sequence
     divides = scenario.layout.world_size if value == "auto" else int(value or 1)
-    return math.lcm(STEP_TOKENS, divides)
+    return math.lcm(tokens, divides)
 
 
 def at_length(scenario: Scenario, seq_len: int) -> Scenario:
@@ -46,9 +46,10 @@ def at_length(scenario: Scenario, seq_len: int) -> Scenario:
 Predict = Callable[[Scenario], tuple[bool, Optional[Outcome], Optional[object]]]
 
 
-def longest(scenario: Scenario, predict: Predict) -> Longest:
-    """The longest multiple of step_of(scenario) that fits; ConfigError when none does."""
-    step = step_of(scenario)
+def longest(scenario: Scenario, predict: Predict, step_tokens: int = STEP_TOKENS) -> Longest:
+    """The longest multiple of step_of(scenario, step_tokens) that fits; ConfigError when none
+    does."""
+    step = step_of(scenario, step_tokens)
     tried: list[tuple[int, bool]] = []
     best: Optional[tuple[int, Outcome, Optional[object]]] = None
 
