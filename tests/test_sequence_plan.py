@@ -5,6 +5,12 @@ meta; the agreement with measured CPU steps is tests/test_sequence_memory.py's."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, subprocess_env
 from trainer.cli import check
 from trainer.preflight.auto_plan import decide, flop_timing, sequence_shapes, table
 from trainer.preflight.longest import longest
@@ -84,3 +90,21 @@ def test_host_memory_of_offloaded_activations_is_counted_and_checked() -> None:
     lines = host_check(outcome, host_capacity=moved // 2)
     assert any(line.startswith("host memory does NOT fit") for line in lines)
     assert host_check(outcome, host_capacity=moved * 2)[0].startswith("host memory fits")
+
+
+def test_fit_run_hands_the_build_a_concrete_degree_and_tile_count() -> None:
+    from trainer.preflight.auto_plan import Decision
+    from trainer.preflight.auto_run import chosen_config
+
+    scenario = _scenario(TINY + ["checkpointing.tiles=auto", "sharding.sequence=auto"])
+    decision = Decision(1, 1, [], 0, 0, 0.0, [], sequence=2, tiles=8)
+    cfg = chosen_config(scenario.cfg, decision)
+    assert (cfg.sharding.sequence, cfg.checkpointing.tiles, cfg.train.micro_batch_size) == (2, 8, 1)
+
+
+@pytest.mark.parametrize("flag, value", [("--host-memory-gib", "0"), ("--longest-step", "0")])
+def test_report_flags_for_long_sequences_refuse_bad_values_in_one_line(flag, value) -> None:
+    result = subprocess.run([sys.executable, "-m", "trainer.report", flag, value], cwd=REPO,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        result.stderr.strip()] and flag in result.stderr and "Traceback" not in result.stderr
