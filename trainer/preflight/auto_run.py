@@ -74,7 +74,8 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
         one_rank_of_sequence(cfg, model, degree, tile_count(cfg))
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         inputs, targets = task.example(cfg.train.micro_batch_size)
-        inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
+        if degree > 1:  # this rank's slice of each row (a language model's tokens)
+            inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, device,
                                   resolve_ops(cfg.checkpointing.save_ops), repeats)

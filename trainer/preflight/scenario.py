@@ -184,7 +184,8 @@ class Evaluator:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
             ulysses = one_rank_of_sequence(cfg, model, degree, tiles)
             inputs, targets = task.example(cfg.train.micro_batch_size)
-            inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
+            if degree > 1:  # this rank's slice of each row (a language model's tokens)
+                inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
             names_ops = list(cfg.checkpointing.save_ops)
             profile = profile_on_meta(model, names, blocks,
                                       lambda m: task.loss(m, inputs, targets),
