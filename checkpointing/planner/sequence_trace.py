@@ -73,6 +73,7 @@ class MetaUlysses:
         # A mask made for the slice does not fit whole sequences; the real wrap passes the
         # whole-sequence one, whose bytes the block's inputs already hold. Here: causal.
         options.pop("attention_mask", None)
+        options.pop("position_ids", None)  # the slice's, as the real HF wrap drops them
         if options.get("mask") is not None:
             raise ValueError("the meta trace of sequence parallelism takes unpacked rows "
                              "(a document mask is built for the whole sequence at run time)")
