@@ -21,6 +21,7 @@ from launch import gpu_table
 if TYPE_CHECKING:
     from launch.gpu_check import Check, Mode
 
+LONG_ROW = "long: tiles + offload + chunked"
 # name -> overrides on top of the common ones; "ref:" rows run launch/bench/plain.py instead.
 # In order of value, since the budget may end the list early: first what the targets need
 # (G1: selective and its reference; G2: full and full + offload=cpu; auto against the uniform
@@ -37,6 +38,10 @@ ROWS = {
     "none": ["checkpointing=none"],
     # The fused chunked loss head against the plain one (issue 26): the peak and tokens/s.
     "full + head=chunked": ["checkpointing=full", "checkpointing.head=chunked"],
+    # Issue 38: the longest sequence the report says fits (fit stage's "long"), micro-batch 1,
+    # every block recomputed and its input offloaded, MLPs in tiles, the chunked head.
+    LONG_ROW: ["checkpointing=full", "offload=cpu", "checkpointing.head=chunked",
+               "checkpointing.tiles=16"],
     "budget": ["checkpointing=budget"],
     "ref:full": [],
     "full + sharding.cpu_offload": ["checkpointing=full", "sharding.cpu_offload=true"],
@@ -44,6 +49,7 @@ ROWS = {
     "compiler": ["checkpointing=compiler"],
 }
 SLOW_ROWS = {"selective + compile": 2.0, "compiler": 2.0}  # multiplies a row's cap and minimum
+GIB = 2 ** 30
 AFTER_BENCH_S = 45  # what torchtitan and predict need of the budget (predict: ~15 s on a GPU host)
 
 
@@ -61,6 +67,10 @@ def row_overrides(check: Check, name: str, micro_batch: int, seq_len: int) -> li
     # auto: on a GPU it fits the device less train.memory_reserve_gib; the CPU has no default.
     memory = ([f"train.memory_gib={check.result['stages']['fit']['capacity'] / 2 ** 30:.6f}"]
               if "checkpointing=auto" in ROWS[name] and m.device == "cpu" else [])
+    if name == LONG_ROW:  # its pinned pool holds what it offloads; the model takes the length
+        long = check.result["stages"]["fit"]["long"]
+        memory += [f"model.max_seq_len={seq_len}",
+                   f"offload.max_host_bytes={max(GIB, -(-long['host_activations'] // GIB) * GIB)}"]
     return [*common_overrides(m), *ROWS[name], *memory, f"data.seq_len={seq_len}",
             f"train.micro_batch_size={micro_batch}", f"train.steps={m.steps}", "logging.every=1",
             "logging.wandb=false", "logging.progress=false", f"train.eval_every={m.steps}",
@@ -122,8 +132,12 @@ def _run_or_skip(check: Check, name: str, fit: dict, rows: dict, deadline: float
         return {"skipped": f"not run: {max(0.0, left):.0f} s of the budget left, the row needs "
                            f"~{need:.0f} s; measure it with --resume"}
     cap = check.mode.row_cap * scale
-    row = bench_row(check, name, planned_micro_batch(fit, rows, name), fit["seq_len"],
-                    min(cap, left))
+    micro_batch, seq_len = planned_micro_batch(fit, rows, name), fit["seq_len"]
+    if name == LONG_ROW:
+        if not fit.get("long", {}).get("seq_len"):
+            return {"ok": False, "error": f"no length from the fit stage: {fit.get('long')}"}
+        micro_batch, seq_len = 1, fit["long"]["seq_len"]
+    row = bench_row(check, name, micro_batch, seq_len, min(cap, left))
     if row.get("exit_status") == 124 and left < cap:
         return {"skipped": f"stopped when the check's budget (--budget-s) ran out, after "
                            f"{left:.0f} s; measure it with --resume",

@@ -53,6 +53,7 @@ class Mode:
     row_cap: int  # seconds per benchmark row
     extra: list[str] = field(default_factory=list)  # overrides for every benchmark row
     row_min_s: int = 0  # a benchmark row is not started with less of the budget left
+    long_max: Optional[int] = None  # the long row's longest length (None: what fits)
 
     @property
     def reference_shape(self) -> list[str]:
@@ -83,7 +84,7 @@ GPU_BUDGET_S = 560.0
 CPU_SMOKE = Mode("cpu", TINY, "64", steps=3, warmup=1, parity_seq=32,
                  caps={"env": 120, "cuda_tests": 120, "parity": 240, "fit": 120, "bench": 400,
                        "torchtitan": 30, "predict": 120}, row_cap=120,
-                 extra=["train.compile_backend=aot_eager"])
+                 extra=["train.compile_backend=aot_eager"], long_max=512)
 
 
 class Check:
@@ -225,7 +226,9 @@ def stage_fit(check: Check, cap: float) -> dict:
     with open(rows, "w") as f:
         json.dump({n: o for n, o in ROWS.items() if not n.startswith("ref:")}, f)
     fit = check.json_stage(["fit", "--device", check.mode.device, "--capacity", str(capacity),
-                            "--seq-lens", check.mode.seq_lens, "--rows", rows, "--",
+                            "--seq-lens", check.mode.seq_lens, "--rows", rows,
+                            *(["--long-max", str(check.mode.long_max)]
+                              if check.mode.long_max else []), "--",
                             *[o for o in common_overrides(check.mode)
                               if not o.startswith("train.device")]], cap, env)
     if "tried" in fit:

@@ -162,7 +162,8 @@ def _scenario(overrides: Sequence[str]):
 
 
 def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Sequence[int],
-              max_micro_batch: int, headroom: float, rows: dict[str, list[str]]) -> dict:
+              max_micro_batch: int, headroom: float, rows: dict[str, list[str]],
+              long_max: Optional[int] = None) -> dict:
     """The largest power-of-two micro-batch whose predicted peak under `full` fits `capacity`
     x `headroom` (the rest is left for what the memory model does not count: CUDA context,
     NCCL buffers, fragmentation), at the first sequence length where one fits; then for each
@@ -171,6 +172,11 @@ def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Se
     evaluator = _evaluator(device)
     found = _largest_fitting(evaluator, overrides, seq_lens, max_micro_batch,
                              capacity * headroom)
+    from launch.gpu_bench import LONG_ROW
+
+    if LONG_ROW in rows:
+        found["long"] = long_fit(evaluator, [*overrides, *rows[LONG_ROW]], capacity * headroom,
+                                 long_max)
     model = _scenario(overrides).cfg.model
     found.update(capacity=capacity, headroom=headroom, model_dim=model.dim,
                  model_layers=model.n_layers)
@@ -192,6 +198,27 @@ def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Se
         found["row_micro_batch"][name] = micro_batch
         found["row_predicted_peak"][name] = peak
     return found
+
+
+def long_fit(evaluator, overrides: Sequence[str], limit: float,
+             long_max: Optional[int] = None) -> dict:
+    """The longest data.seq_len (micro-batch 1, multiples of 1024) whose predicted peak is
+    within `limit`, as `python -m trainer.report --longest` finds it; at most `long_max`."""
+    from trainer.preflight.longest import longest
+
+    def predict(scenario):
+        if long_max is not None and scenario.cfg.data.seq_len > long_max:
+            return False, None, None
+        outcome = evaluator.evaluate(scenario)
+        return outcome.estimate.peak.total <= limit, outcome, None
+
+    try:
+        found = longest(_scenario([*overrides, "train.micro_batch_size=1"]), predict)
+    except Exception as exc:  # none fits, or the config is refused: the row says why
+        return {"seq_len": None, "error": f"{type(exc).__name__}: {exc}"}
+    est = found.outcome.estimate
+    return {"seq_len": found.seq_len, "predicted_peak": est.peak.total, "phase": est.peak.name,
+            "host_activations": est.host_activations, "tried": [list(t) for t in found.tried]}
 
 
 def _largest_fitting(evaluator, overrides: Sequence[str], seq_lens: Sequence[int],
@@ -253,6 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seq-lens", default="4096,2048", help="fit: sequence lengths to try")
     parser.add_argument("--max-micro-batch", type=int, default=64)
     parser.add_argument("--headroom", type=float, default=0.9)
+    parser.add_argument("--long-max", type=int, default=None,
+                        help="fit: the longest length the long row may take")
     parser.add_argument("--rows", help="fit: JSON file of {name: overrides}; predict: of "
                                        "[{name, overrides, plan_json}]")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -271,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 rows = json.load(f)
         result = fit_stage(args.device, args.capacity, args.overrides,
                            [int(s) for s in args.seq_lens.split(",")], args.max_micro_batch,
-                           args.headroom, rows)
+                           args.headroom, rows, args.long_max)
     else:
         with open(args.rows) as f:
             result = predict_stage(args.device, json.load(f))

@@ -282,3 +282,22 @@ def test_g2_is_judged_by_the_measured_peak_not_by_the_saved_bytes_count() -> Non
     (g2,) = [(ok, figures) for name, ok, figures in gpu_table.targets(result)
              if name.startswith("G2")]
     assert g2[0] is False and "16.00 block inputs kept" in g2[1]
+
+
+def test_the_long_row_takes_the_longest_length_the_report_fits() -> None:
+    """Issue 38's GPU row: the fit stage's longest length (tiles + offload + chunked head,
+    micro-batch 1) is the last multiple of 1024 whose predicted peak is within the limit."""
+    from launch import gpu_stages
+    from launch.gpu_bench import LONG_ROW, ROWS
+
+    common = [*gpu_check.TINY, "data=synthetic", "model.max_seq_len=8192", *ROWS[LONG_ROW]]
+    evaluator = gpu_stages._evaluator("cpu")
+
+    def peak(seq_len: int) -> int:
+        return evaluator.evaluate(gpu_stages._scenario(
+            [*common, f"data.seq_len={seq_len}", "train.micro_batch_size=1"])).estimate.peak.total
+
+    assert peak(3072) < peak(4096)
+    found = gpu_stages.long_fit(evaluator, common, peak(3072))
+    assert found["seq_len"] == 3072 and found["predicted_peak"] == peak(3072)
+    assert gpu_stages.long_fit(evaluator, common, peak(3072), long_max=2048)["seq_len"] == 2048

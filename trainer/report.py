@@ -36,6 +36,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "none on CPU)")
     parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
                         help="nominal FLOP/s per GPU (in TFLOP/s) for recompute seconds")
+    parser.add_argument("--host-memory-gib", type=float, default=None,
+                        help="host memory per node for the verdict on pinned offloaded "
+                             "activations (and sharding.cpu_offload state)")
+    parser.add_argument("--longest", action="store_true",
+                        help="search the longest data.seq_len that fits (the given or auto "
+                             "plan, tiles, sequence degree) and report it")
+    parser.add_argument("--longest-step", type=int, default=1024,
+                        help="--longest: lengths are multiples of this many tokens (and of "
+                             "the sequence degree); fewer lengths to try when larger")
     parser.add_argument("--out", default=None, help="folder for memory_plan.{json,png}")
     parser.add_argument("overrides", nargs="*", help="the trainer's Hydra overrides")
     args = parser.parse_intermixed_args(list(argv))
@@ -46,6 +55,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                           f"{args.world_size}")
     if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0:
         raise ConfigError("--gpu-memory-gib", f"must be > 0, got {args.gpu_memory_gib}")
+    if args.host_memory_gib is not None and not args.host_memory_gib > 0:
+        raise ConfigError("--host-memory-gib", f"must be > 0, got {args.host_memory_gib}")
+    if args.longest_step < 1:
+        raise ConfigError("--longest-step", f"must be a positive integer, got {args.longest_step}")
     if not args.tflops > 0:
         raise ConfigError("--tflops", f"must be > 0, got {args.tflops}")
     return args
@@ -68,20 +81,63 @@ def output_dir(args: argparse.Namespace, cfg) -> str:
 
 
 def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
+    """train.memory_gib, else --gpu-memory-gib or the visible CUDA device, less
+    train.memory_reserve_gib when auto fits or --longest searches (as the trainer's auto keeps
+    it on CUDA: trainer/preflight/auto_run.capacity_of)."""
     from trainer.preflight.auto_plan import fitting
 
-    """--gpu-memory-gib, else train.memory_gib, else the visible CUDA device (less
-    train.memory_reserve_gib when fitting, as the trainer does)."""
-    if args.gpu_memory_gib is not None:
-        return int(args.gpu_memory_gib * GIB)
     if cfg.train.memory_gib is not None:
         return int(cfg.train.memory_gib * GIB)
-    import torch
+    reserve = int(cfg.train.memory_reserve_gib * GIB) if fitting(cfg) or args.longest else 0
+    if args.gpu_memory_gib is not None:
+        total = int(args.gpu_memory_gib * GIB)
+    else:
+        import torch
 
-    if torch.cuda.is_available():
-        reserve = int(cfg.train.memory_reserve_gib * GIB) if fitting(cfg) else 0
-        return torch.cuda.get_device_properties(0).total_memory - reserve
-    return None
+        if not torch.cuda.is_available():
+            return None
+        total = torch.cuda.get_device_properties(0).total_memory
+    if total - reserve <= 0:
+        raise ConfigError("train.memory_reserve_gib", f"{cfg.train.memory_reserve_gib} GiB "
+                          f"leaves nothing of {total / GIB:.1f} GiB")
+    return total - reserve
+
+
+def predict(scenario, evaluator, capacity: Optional[int], tflops: float):
+    """(outcome, auto's decision or None) of one configuration, as the trainer would plan it."""
+    from trainer.preflight.auto_plan import at_decision, decide, fitting, flop_timing
+
+    if not fitting(scenario.cfg):
+        return evaluator.evaluate(scenario), None
+    if capacity is None:
+        raise ConfigError("--gpu-memory-gib", "auto (checkpointing, micro-batch, tiles or "
+                          "sequence degree) fits a memory size: pass --gpu-memory-gib or "
+                          "train.memory_gib (no CUDA device here)")
+    decision = decide(scenario.cfg, scenario, evaluator, capacity, flop_timing(evaluator))
+    return evaluator.evaluate(at_decision(scenario, decision), decision.plan), decision
+
+
+def predict_longest(scenario, evaluator, capacity: Optional[int], host: Optional[int],
+                    tflops: float, step_tokens: int):
+    """--longest: (outcome, decision, the search's lengths tried)."""
+    from trainer.preflight.longest import longest
+    from trainer.preflight.tables import host_fits
+
+    if capacity is None:
+        raise ConfigError("--gpu-memory-gib", "--longest needs a memory size to fit")
+
+    def attempt(at):
+        try:
+            outcome, decision = predict(at, evaluator, capacity, tflops)
+        except ConfigError as exc:  # auto: nothing fits at this length
+            if exc.key in ("train.memory_gib", "sharding.sequence"):
+                return False, None, None
+            raise
+        return (outcome.estimate.peak.total <= capacity and host_fits(outcome, host),
+                outcome, decision)
+
+    found = longest(scenario, attempt, step_tokens)
+    return found.outcome, found.decision, found.tried
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -98,28 +154,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from trainer.preflight.plot import plot_plan
     from trainer.preflight.timeline import picture_line
     from checkpointing.planner.policies import BudgetError
-    from trainer.preflight.auto_plan import (at_micro_batch, decide, fitting, flop_timing,
-                                 rows as fit_rows, table as fit_table)
+    from trainer.preflight.auto_plan import rows as fit_rows, table as fit_table
     from trainer.preflight.scenario import Evaluator, Scenario, device_type_of
+    from trainer.preflight.tables import host_check
 
     # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary),
     # unless the run is for the CPU (train.device=cpu).
     evaluator = Evaluator(args.tflops, optimizer_foreach=cfg.train.device != "cpu",
                           device_type=device_type_of(cfg))
     scenario = Scenario(cfg, layout, args.world_size // args.nodes)
-    capacity = capacity_bytes(args, cfg)
-    decision = None
+    host = None if args.host_memory_gib is None else int(args.host_memory_gib * GIB)
+    tried = None
     try:
-        if fitting(cfg):  # what the trainer's auto would choose, timed by FLOPs here
-            if capacity is None:
-                raise ConfigError("--gpu-memory-gib", "checkpointing=auto and "
-                                  "train.micro_batch_size=auto fit a memory size: pass "
-                                  "--gpu-memory-gib or train.memory_gib (no CUDA device here)")
-            decision = decide(cfg, scenario, evaluator, capacity, flop_timing(evaluator))
-            scenario = at_micro_batch(scenario, decision.micro_batch)
-            outcome = evaluator.evaluate(scenario, decision.plan)
+        capacity = capacity_bytes(args, cfg)
+        if args.longest:
+            outcome, decision, tried = predict_longest(scenario, evaluator, capacity, host,
+                                                       args.tflops, args.longest_step)
         else:
-            outcome = evaluator.evaluate(scenario)
+            outcome, decision = predict(scenario, evaluator, capacity, args.tflops)
     except BudgetError as exc:  # the trainer refuses this budget the same way
         print_error(ConfigError("checkpointing.budget", str(exc)), {})
         sys.exit(2)
@@ -127,6 +179,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print_error(exc, {})
         sys.exit(2)
     peak = outcome.estimate.peak.total
+    scenario = outcome.scenario
+    if tried is not None:
+        print(longest_line(outcome, tried))
     if decision is not None:
         print(f"auto: micro-batch {decision.micro_batch} (grad_accum {decision.grad_accum}), "
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
@@ -134,13 +189,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(table(outcome, args.tflops))
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
     print(verdict(peak, capacity))
+    for line in host_check(outcome, host):
+        print(line)
     advice = []
     if capacity is not None and peak > capacity:
         advice = suggest(evaluator, scenario, capacity)
         print(advice_lines(advice))
     out = output_dir(args, cfg)
     os.makedirs(out, exist_ok=True)
-    data = {"command": argv, "capacity_bytes": capacity,
+    data = {"command": argv, "capacity_bytes": capacity, "host_capacity_bytes": host,
+            "longest": None if tried is None else {
+                "seq_len": outcome.scenario.cfg.data.seq_len,
+                "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
             "fits": None if capacity is None else peak <= capacity,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, **summary(outcome),
             "blocks": block_rows(outcome),
@@ -148,11 +208,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                             for s in advice],
             "auto": None if decision is None else {
                 "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
+                "sequence": decision.sequence, "tiles": decision.tiles,
                 "predicted_step_s": decision.step_s, "candidates": fit_rows(decision)}}
     with open(os.path.join(out, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
     print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
+
+
+def longest_line(outcome, tried) -> str:
+    """'longest: data.seq_len=... fits: ... tokens per rank, ... per node (lengths tried)'."""
+    from trainer.preflight.degrees import sequence_degree, tile_count
+
+    sc = outcome.scenario
+    seq_len, micro = sc.cfg.data.seq_len, sc.cfg.train.micro_batch_size
+    degree, tiles = sequence_degree(sc.cfg), tile_count(sc.cfg)
+    per_rank = seq_len * micro // degree
+    return (f"longest: data.seq_len={seq_len} fits (sharding.sequence={degree}, "
+            f"checkpointing.tiles={tiles}, micro-batch {micro}): {per_rank:,} tokens per rank, "
+            f"{per_rank * sc.gpus_per_node:,} per node of {sc.gpus_per_node}; lengths tried: "
+            + ", ".join(f"{n}{'' if f else ' (no)'}" for n, f in tried))
 
 
 if __name__ == "__main__":

@@ -100,6 +100,9 @@ class Setup:
     # Activation offload that moves data (disk; cpu on a GPU): saved storages of at least this
     # many bytes leave the device between forward and backward. None: nothing moves.
     offload_min_bytes: Optional[int] = None
+    # Where what moves goes: "cpu" (pinned host memory, counted in Estimate.host_activations)
+    # or "disk".
+    offload_target: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,9 @@ class Estimate:
     no_checkpoint: int  # the same with no block recomputing
     recompute_flops: int  # per optimizer step (all micro-batches)
     host: int  # bytes in host memory instead (sharding.cpu_offload), else 0
+    # Pinned host memory of the activations offloaded to the CPU, all of them out at the end of
+    # the forward (per rank, one micro-batch at a time).
+    host_activations: int
     peak: Phase  # the largest phase on the device
     phases: tuple[Phase, ...] = field(repr=False)
     block_saved: tuple[int, ...] = field(repr=False)  # per block, under the plan
@@ -290,8 +296,12 @@ def estimate(groups: Sequence[ParamGroup], profile: MetaProfile, plan: Sequence[
     assert peak_activations == max(terms), (peak_activations, max(terms))
     block_saved = tuple(saved[1:-1])
     flops = tuple(m.recompute_flops[p.recompute] for m, p in zip(profile.blocks, plan))
+    moving = setup.offload_min_bytes is not None and setup.offload_target == "cpu"
+    host_activations = sum(moved_bytes(m, p, setup.offload_min_bytes)
+                           for m, p in zip(profile.blocks, plan)) if moving else 0
     return Estimate(
         params=fixed.params, grads=fixed.grads, optimizer=fixed.optimizer_state,
+        host_activations=host_activations,
         activation_peak=peak_activations,
         end_of_forward=profile.rest_bytes + sum(block_saved),
         no_checkpoint=profile.rest_bytes + sum(m.saved_bytes["none"] for m in profile.blocks),

@@ -160,6 +160,9 @@ class BlockMeasure:
     forward_flops: int
     recompute_flops: dict[str, int]  # FLOPs each option runs again in backward
     storage_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per option
+    # Forward FLOPs of its sequence-tiled modules (checkpointing/tiles.py): their backward
+    # recomputes them once more, tile by tile, whatever the block's own recompute option.
+    tile_flops: int = 0
 
     def small_bytes(self, option: str, min_bytes: int) -> int:
         """What stays on the device when `option`'s saved storages are offloaded."""
@@ -181,6 +184,9 @@ class MetaProfile:
     blocks: tuple[BlockMeasure, ...]  # identical blocks share one measurement
     rest_bytes: int  # saved outside all blocks (embedding stage + head), trace_on_meta's count
     head: HeadMeasure
+    # Sequence parallelism: bytes one rank sends per block forward in Ulysses' all-to-alls
+    # (sequence_trace.MetaUlysses); 0 without.
+    sent_bytes_per_block: int = 0
 
     @property
     def before_blocks_bytes(self) -> int:
@@ -243,24 +249,41 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequenc
         saved[option] = meter.bytes
         sizes[option] = tuple(meter.sizes)
         peak[option] = max(forward_peak, backward_peak)
-    forward_flops, saved_op_flops = _forward_flops(block, args, kwargs, save_op_names, like_cpu)
+    forward_flops, saved_op_flops, tile_flops = _forward_flops(block, args, kwargs,
+                                                               save_op_names, like_cpu)
     recompute = {"none": 0, "full": forward_flops,
                  "selective": max(0, forward_flops - saved_op_flops)}
     return BlockMeasure(saved_bytes=saved, peak_bytes=peak, forward_flops=forward_flops,
-                        recompute_flops=recompute, storage_sizes=sizes)
+                        recompute_flops=recompute, storage_sizes=sizes, tile_flops=tile_flops)
 
 
-def _forward_flops(block: nn.Module, args: tuple, kwargs: dict,
-                   save_op_names: Sequence[str], like_cpu: bool = False) -> tuple[int, int]:
-    """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps) of one block."""
+def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: Sequence[str],
+                   like_cpu: bool = False) -> tuple[int, int, int]:
+    """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps, FLOPs inside its
+    sequence-tiled modules) of one block."""
     counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})
-    with FusedAttentionOnMeta(like_cpu), counter, torch.no_grad():
-        block(*args, **kwargs)
+    tiled = [m for m in block.modules() if (getattr(m, "_blocktrain_tiles", None) or 1) > 1]
+    inside = [0, 0]  # (FLOPs counted when the tiled module started, FLOPs inside them)
+
+    def started(module, args):
+        inside[0] = counter.get_total_flops()
+
+    def ended(module, args, output):
+        inside[1] += counter.get_total_flops() - inside[0]
+
+    handles = [h for m in tiled for h in (m.register_forward_pre_hook(started),
+                                          m.register_forward_hook(ended))]
+    try:
+        with FusedAttentionOnMeta(like_cpu), counter, torch.no_grad():
+            block(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
     by_op = counter.get_flop_counts().get("Global", {})
     kept = set(save_op_names)
     saved_flops = sum(n for op, n in by_op.items() if getattr(op, "__name__", str(op)) in kept
                       or str(op).split(".")[-1] in kept)
-    return counter.get_total_flops(), saved_flops
+    return counter.get_total_flops(), saved_flops, inside[1]
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:

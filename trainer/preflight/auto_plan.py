@@ -21,7 +21,9 @@ from checkpointing.planner.whole_step import Choice, NoFit, Timing, evaluate_pla
 from checkpointing.plan import BlockPlan, describe, make_plan, recompute_pattern, with_offload
 from checkpointing.planner.profile import BlockProfile
 from trainer.config import Config, ConfigError
-from trainer.preflight.scenario import NOMINAL_SECONDS_PER_BYTE, Evaluator, Scenario, with_changes
+from trainer.preflight.scenario import (NOMINAL_ALL_TO_ALL_BYTES_PER_S, NOMINAL_SECONDS_PER_BYTE,
+                                       Evaluator, Scenario, with_changes, with_tiles)
+from trainer.preflight.degrees import sequence_degree, tile_count
 from trainer.validate import Layout
 
 GIB = 2 ** 30
@@ -43,6 +45,9 @@ class Candidate:
     step_s: Optional[float]  # predicted seconds per optimizer step; None when not timed
     fits: bool
     chosen: bool = False
+    sequence: int = 1  # sharding.sequence of this candidate
+    tiles: int = 1  # checkpointing.tiles of this candidate
+    why: str = ""  # why it was refused or chosen
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class Decision:
     candidates: list[Candidate]
     profiles: Optional[list[BlockProfile]] = None  # device profiles at the chosen micro-batch
     reused: bool = False  # read back from an earlier start of the run (preflight/auto_run.py)
+    sequence: int = 1  # the sharding.sequence chosen
+    tiles: int = 1  # the checkpointing.tiles chosen
 
 
 # (cfg at one micro-batch, its scenario, the meta profile's evaluator) -> (timing, profiles)
@@ -68,19 +75,28 @@ def gib(nbytes: int) -> str:
 
 
 def fitting(cfg: Config) -> bool:
-    return cfg.checkpointing.policy == "auto" or cfg.train.micro_batch_size == "auto"
+    """Whether `auto` decides something: the plan, the micro-batch, the degree or the tiles."""
+    return (cfg.checkpointing.policy == "auto" or cfg.train.micro_batch_size == "auto"
+            or cfg.sharding.sequence == "auto" or cfg.checkpointing.tiles == "auto")
 
 
 def micro_batches(cfg: Config, layout: Layout) -> list[int]:
-    """The candidates, largest first."""
+    """The candidates, largest first. A sequence group of N ranks shares each sample, so the
+    global batch is split over world / N ranks."""
     if cfg.train.micro_batch_size != "auto":
         return [int(cfg.train.micro_batch_size)]
-    per_rank = cfg.train.global_batch_size // layout.world_size
+    per_rank = cfg.train.global_batch_size // (layout.world_size // sequence_degree(cfg))
     return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
 
 
 def at_micro_batch(scenario: Scenario, micro_batch: int) -> Scenario:
     return with_changes(scenario, train={"micro_batch_size": micro_batch})
+
+
+def at_decision(scenario: Scenario, decision: Decision) -> Scenario:
+    """The scenario with what `auto` chose: micro-batch, sequence degree, tiles."""
+    return with_changes(at_sequence(scenario, decision.sequence, decision.tiles),
+                        train={"micro_batch_size": decision.micro_batch})
 
 
 def fixed_plan(cfg: Config, names: Sequence[str], policy: Optional[str] = None) -> list[BlockPlan]:
@@ -100,11 +116,30 @@ def flop_timing(evaluator: Evaluator) -> Timer:
         profile = ev.profile(cfg)[0]
         spf = evaluator.seconds_per_flop
         rest = rest_flops(cfg, profile) * spf
-        return Timing(tuple({o: f * spf for o, f in m.recompute_flops.items()}
-                            for m in profile.blocks),
-                      tuple(3 * m.forward_flops * spf for m in profile.blocks), rest,
-                      NOMINAL_SECONDS_PER_BYTE.get(cfg.offload.target)), None
+        timing = Timing(tuple({o: f * spf for o, f in m.recompute_flops.items()}
+                              for m in profile.blocks),
+                        tuple(3 * m.forward_flops * spf for m in profile.blocks), rest,
+                        NOMINAL_SECONDS_PER_BYTE.get(cfg.offload.target))
+        return with_sequence_costs(timing, profile, scenario, spf), None
     return timer
+
+
+def with_sequence_costs(timing: Timing, profile, scenario: Scenario,
+                        seconds_per_flop: float) -> Timing:
+    """Add what tiles and sequence parallelism cost to a block timing that has neither.
+
+    Tiles: the tiled MLP's forward once more in backward (its FLOPs at `seconds_per_flop`).
+    Ulysses: the bytes a rank sends per block forward (measured on meta) over a nominal
+    all-to-all bandwidth (NOMINAL_ALL_TO_ALL_BYTES_PER_S, nothing measured or overlapped): twice
+    per block (forward, backward), and once more for a block that recomputes."""
+    degree = sequence_degree(scenario.cfg)
+    inside = "node" if degree <= scenario.gpus_per_node else "network"
+    exchange = profile.sent_bytes_per_block / NOMINAL_ALL_TO_ALL_BYTES_PER_S[inside]
+    compute = tuple(c + m.tile_flops * seconds_per_flop + 2 * exchange
+                    for c, m in zip(timing.block_compute, profile.blocks, strict=True))
+    cost = tuple({o: s + (exchange if o != "none" else 0.0) for o, s in c.items()}
+                 for c in timing.block_cost)
+    return dataclasses.replace(timing, block_cost=cost, block_compute=compute)
 
 
 def rest_flops(cfg: Config, profile) -> float:
@@ -114,15 +149,80 @@ def rest_flops(cfg: Config, profile) -> float:
     from trainer.task import task_for
 
     tokens = task_for(cfg.model, cfg.data, cfg.checkpointing).tokens_per_sample
+    # A rank of a sequence group computes 1/N of each sample (its tokens, its heads).
     total = family_of(cfg.model).flops_per_token(cfg.model, build_on_meta(cfg.model),
-                                                 tokens) * tokens
+                                                 tokens) * tokens / sequence_degree(cfg)
     blocks = 3 * sum(m.forward_flops for m in profile.blocks)
     return max(0.0, total * cfg.train.micro_batch_size - blocks)
 
 
+# checkpointing.tiles=auto tries 1, 2, 4, ... up to this many tiles (or one token per tile).
+MAX_AUTO_TILES = 256
+
+
+def sequence_shapes(cfg: Config, layout: Layout) -> list[tuple[int, int]]:
+    """(sequence degree, tiles) pairs `auto` tries, in its order of preference: the smallest
+    degree first (fewest all-to-alls), then the fewest tiles (least recompute). `auto` degrees:
+    the divisors of the world that divide data.seq_len (the heads are checked when traced)."""
+    seq_len = cfg.data.seq_len
+    if cfg.sharding.sequence == "auto":
+        degrees = [d for d in range(1, layout.world_size + 1)
+                   if layout.world_size % d == 0 and seq_len % d == 0]
+    else:
+        degrees = [sequence_degree(cfg)]
+    shapes = []
+    for degree in degrees:
+        if cfg.checkpointing.tiles == "auto":
+            most = min(MAX_AUTO_TILES, seq_len // degree)
+            tiles = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
+        else:
+            tiles = [tile_count(cfg)]
+        shapes += [(degree, t) for t in tiles]
+    return shapes
+
+
+def at_sequence(scenario: Scenario, degree: int, tiles: int) -> Scenario:
+    return with_changes(scenario, sharding={"sequence": degree},
+                        checkpointing={"tiles": tiles})
+
+
 def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
            timer: Timer) -> Decision:
-    """The micro-batch and plan with the least predicted step time that fit `capacity`."""
+    """The smallest sequence degree and tile count (when `auto`) at which something fits, then
+    the micro-batch and plan with the least predicted step time that fit `capacity`."""
+    shapes = sequence_shapes(cfg, scenario.layout)
+    if len(shapes) == 1:
+        return _decide_at(at_sequence(scenario, *shapes[0]), evaluator, capacity, timer)
+    refused: list[Candidate] = []
+    last: Optional[ConfigError] = None
+    for degree, tiles in shapes:
+        try:
+            at = at_sequence(scenario, degree, tiles)
+            decision = _decide_at(at, evaluator, capacity, timer)
+        except (ConfigError, ValueError) as exc:  # nothing fits, or the degree is refused
+            last = exc if isinstance(exc, ConfigError) else ConfigError("sharding.sequence",
+                                                                        str(exc))
+            refused.append(Candidate(0, 0, cfg.checkpointing.policy, "refused", 0, None, False,
+                                     sequence=degree, tiles=tiles,
+                                     why=str(exc).split(": ", 1)[-1]))
+            continue
+        chosen_why = (f"the smallest sequence degree and tile count that fit "
+                      f"({len(refused)} smaller refused)")
+        rows = [dataclasses.replace(r, why=r.why or (chosen_why if r.chosen else ""))
+                for r in decision.candidates]
+        return dataclasses.replace(decision, candidates=refused + rows)
+    assert last is not None
+    raise ConfigError(last.key, f"no sequence degree or tile count tried fits "
+                      f"({', '.join(f'sequence {d} tiles {t}' for d, t in shapes)}); the "
+                      f"largest tried: {str(last).split(': ', 1)[-1]}")
+
+
+def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
+               timer: Timer) -> Decision:
+    """At the scenario's sequence degree and tiles: the micro-batch and plan with the least
+    predicted step time that fit `capacity`."""
+    cfg = scenario.cfg
+    degree, tiles = sequence_degree(cfg), tile_count(cfg)
     policy = cfg.checkpointing.policy
     rows: list[Candidate] = []
     timed: list[tuple[Choice, int, int, Optional[list[BlockProfile]]]] = []
@@ -139,20 +239,22 @@ def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
             choice = _choose(at.cfg, policy, groups, profile, setup, untimed, capacity)
         except NoFit as exc:
             rows.append(Candidate(micro_batch, accum, policy, "no plan fits", exc.least, None,
-                                  False))
+                                  False, sequence=degree, tiles=tiles,
+                                  why=f"no plan fits: the least is {gib(exc.least)}"))
             if least is None or exc.least < least[0]:
                 least = (exc.least, micro_batch)
             continue
         timing, profiles = timer(at.cfg, at, evaluator)
         choice = _choose(at.cfg, policy, groups, profile, setup, timing, capacity)
         rows.append(Candidate(micro_batch, accum, policy, describe(choice.plan), choice.peak,
-                              choice.step_s, True))
+                              choice.step_s, True, sequence=degree, tiles=tiles))
         if policy == "auto":  # the uniform policies beside it, for the record
             for uniform in UNIFORM:
                 other = evaluate_plan(groups, profile, setup, timing,
                                       fixed_plan(at.cfg, names, uniform))
                 rows.append(Candidate(micro_batch, accum, uniform, describe(other.plan),
-                                      other.peak, other.step_s, other.peak <= capacity))
+                                      other.peak, other.step_s, other.peak <= capacity,
+                                      sequence=degree, tiles=tiles))
         timed.append((choice, micro_batch, accum, profiles))
     if not timed:
         raise ConfigError("train.memory_gib", no_fit_message(cfg, scenario, evaluator, capacity,
@@ -163,8 +265,8 @@ def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
         c for c in timed if c[0].step_s <= fastest * (1 + MICRO_BATCH_MARGIN))
     rows = [dataclasses.replace(r, chosen=True) if (r.micro_batch, r.policy) ==
             (micro_batch, policy) else r for r in rows]
-    return Decision(micro_batch, accum, choice.plan, capacity, choice.peak, choice.step_s, rows,
-                    profiles)
+    return Decision(micro_batch, accum, with_tiles(choice.plan, tiles), capacity, choice.peak,
+                    choice.step_s, rows, profiles, sequence=degree, tiles=tiles)
 
 
 def _choose(cfg: Config, policy: str, groups, profile, setup, timing: Timing,
@@ -240,12 +342,17 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
 
 def table(decision: Decision) -> str:
     """The candidates as a terminal table, the chosen one marked."""
-    lines = [f"{'':1} {'micro':>5} {'accum':>5} {'policy':<9} {'predicted peak GiB':>18} "
-             f"{'step s':>9} {'fits':<4} plan"]
+    lines = [f"{'':1} {'seq':>3} {'tiles':>5} {'micro':>5} {'accum':>5} {'policy':<9} "
+             f"{'predicted peak GiB':>18} {'step s':>9} {'fits':<4} plan"]
     for r in decision.candidates:
+        lead = f"{'*' if r.chosen else ' ':1} {r.sequence:>3} {r.tiles:>5}"
+        if r.plan == "refused":  # a degree or tile count at which nothing was fitted
+            lines.append(f"{lead} {'-':>5} {'-':>5} {r.policy:<9} {'-':>18} {'-':>9} no   "
+                         f"{r.why}")
+            continue
         step = f"{r.step_s:9.4f}" if r.step_s is not None else f"{'-':>9}"
         least = "" if r.fits or r.step_s is not None else " (least)"
-        lines.append(f"{'*' if r.chosen else ' ':1} {r.micro_batch:>5} {r.grad_accum:>5} "
+        lines.append(f"{lead} {r.micro_batch:>5} {r.grad_accum:>5} "
                      f"{r.policy:<9} {r.peak_bytes / GIB:>18.4f} {step} "
                      f"{'yes' if r.fits else 'no':<4} {r.plan}{least}")
     return "\n".join(lines)

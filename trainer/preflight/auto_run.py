@@ -27,11 +27,13 @@ from checkpointing.wrap import resolve_ops
 from offload.apply import offload_dir
 from offload.bandwidth import seconds_per_byte
 from sharding.fsdp import DTYPES
-from trainer.preflight.auto_plan import GIB, Candidate, Decision, Timer, decide, rest_flops
+from trainer.preflight.auto_plan import (GIB, Candidate, Decision, Timer, decide, rest_flops,
+                                         with_sequence_costs)
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config, ConfigError
 from trainer.distenv import DistEnv
-from trainer.preflight.scenario import Evaluator, Scenario
+from trainer.preflight.degrees import sequence_degree, tile_count
+from trainer.preflight.scenario import Evaluator, Scenario, one_rank_of_sequence
 from trainer.task import task_for
 from trainer.validate import Layout
 
@@ -66,8 +68,14 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
         s = cfg.sharding
         if s.mode != "none" and s.param_dtype:  # time what FSDP will run: the compute dtype
             cast_like_fsdp(model, blocks, DTYPES[s.param_dtype])
+        # One rank's blocks: its T/N tokens, attention between stand-ins of the all-to-alls
+        # (their time is added nominally), MLPs tiled.
+        degree = sequence_degree(cfg)
+        one_rank_of_sequence(cfg, model, degree, tile_count(cfg))
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         inputs, targets = task.example(cfg.train.micro_batch_size)
+        if degree > 1:  # this rank's slice of each row (a language model's tokens)
+            inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, device,
                                   resolve_ops(cfg.checkpointing.save_ops), repeats)
@@ -84,8 +92,11 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
                 moved[o.target] = seconds_per_byte(o.target, device,
                                                    offload_dir(o.dir, run_dir, rank))
             per_byte = moved[o.target]
-        return Timing(tuple(dict(p.cost_s) for p in profiles),
-                      tuple(p.compute_s for p in profiles), rest, per_byte), profiles
+        timing = Timing(tuple(dict(p.cost_s) for p in profiles),
+                        tuple(p.compute_s for p in profiles), rest, per_byte)
+        # Tiles' extra MLP forward at the blocks' measured FLOP rate; the all-to-alls nominal.
+        rate = compute / block_flops if block_flops else 0.0
+        return with_sequence_costs(timing, profile, scenario, rate), profiles
     return timer
 
 
@@ -109,7 +120,8 @@ def _read(path: str, key: dict) -> Optional[Decision]:
         d = data["decision"]
         return Decision(d["micro_batch"], d["grad_accum"], [BlockPlan(**p) for p in d["plan"]],
                         d["capacity"], d["peak_bytes"], d["step_s"],
-                        [Candidate(**c) for c in d["candidates"]], reused=True)
+                        [Candidate(**c) for c in d["candidates"]], reused=True,
+                        sequence=d.get("sequence", 1), tiles=d.get("tiles", 1))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -150,6 +162,14 @@ def fit_run(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
     if isinstance(payload[0], tuple):
         raise ConfigError(*payload[0])
     decision = payload[0]
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, micro_batch_size=decision.micro_batch))
-    return cfg, dataclasses.replace(layout, grad_accum=decision.grad_accum), decision
+    return (chosen_config(cfg, decision),
+            dataclasses.replace(layout, grad_accum=decision.grad_accum), decision)
+
+
+def chosen_config(cfg: Config, decision: Decision) -> Config:
+    """The config with what `auto` chose made concrete, for the build: the micro-batch, the
+    sequence degree and the tile count (the plan's blocks carry the tiles too)."""
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, micro_batch_size=decision.micro_batch),
+        sharding=dataclasses.replace(cfg.sharding, sequence=decision.sequence),
+        checkpointing=dataclasses.replace(cfg.checkpointing, tiles=decision.tiles))

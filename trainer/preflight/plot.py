@@ -22,6 +22,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from trainer.preflight.timeline import GIB, Timeline, gib, timeline  # noqa: E402
+from trainer.preflight.tables import sequence_text  # noqa: E402
 from trainer.task import task_for  # noqa: E402
 
 MIB = 2 ** 20
@@ -144,9 +145,13 @@ def draw_plan(outcome, capacity: Optional[int] = None) -> tuple[Figure, list[str
     tokens = task_for(sc.cfg.model, sc.cfg.data, sc.cfg.checkpointing).tokens_per_sample
     host = (f"; parameters, gradients and optimizer state in host memory: {gib(est.host)}"
             if est.host else "")
+    if est.host_activations:
+        host += (f"; offloaded activations in pinned host memory: {gib(est.host_activations)} "
+                 f"per rank, {gib(est.host_activations * sc.gpus_per_node)} per node")
     fig.suptitle(
         f"{sc.cfg.model.name}: world {sc.layout.world_size} ({sc.cfg.sharding.mode}), "
-        f"micro-batch {sc.cfg.train.micro_batch_size} x {tokens} tokens, grad_accum "
+        f"micro-batch {sc.cfg.train.micro_batch_size} x {tokens} tokens"
+        f"{sequence_text(sc.cfg, tokens)}, grad_accum "
         f"{sc.layout.grad_accum}, checkpointing={sc.cfg.checkpointing.policy}\npredicted peak "
         f"{gib(est.peak.total)} per rank, during {est.peak.name}{host}", fontsize=11)
     return fig, labels

@@ -15,7 +15,10 @@ import torch
 
 from checkpointing.planner.memory import (Estimate, ParamGroup, Setup, as_modelled, estimate,
                                  param_groups)
-from checkpointing.planner.metatrace import MetaProfile, cast_like_fsdp, profile_on_meta
+from checkpointing.planner.metatrace import (FusedAttentionOnMeta, MetaProfile, cast_like_fsdp,
+                                             profile_on_meta)
+from checkpointing.planner.sequence_trace import MetaUlysses
+from checkpointing.tiles import tile_module
 from checkpointing.plan import BlockPlan, make_plan as plan_of, with_offload
 from checkpointing.planner.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.planner.profile import BlockProfile
@@ -23,14 +26,34 @@ from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config
+from trainer.models.families import family_of
+from trainer.preflight.degrees import sequence_degree, tile_count
 from trainer.validate import Layout, validate
 from trainer.task import task_for
 
 # Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
 # reached, and one NVMe drive.
 NOMINAL_SECONDS_PER_BYTE = {"cpu": 1 / 20e9, "disk": 1 / 2e9}
+# Ulysses' all-to-all, bytes a rank sends per second where nothing is measured: a sequence group
+# inside one node (NVLink, as all-to-alls of tens of MiB usually reach on H100/H200 nodes) or
+# spread over nodes (one 200 Gb/s network port per GPU). A round figure, not a measurement.
+NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
 
 
+
+
+def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaUlysses]:
+    """Make a meta model run as one rank does: its MLPs in `tiles` sequence tiles, and, for a
+    degree > 1, attention through the meta all-to-alls (returned, to count what they send)."""
+    family = family_of(cfg.model)
+    if tiles > 1:
+        for mlp in family.mlp_modules(model, cfg.model.block_pattern):
+            tile_module(mlp, tiles)
+    if degree == 1:
+        return None
+    ulysses = MetaUlysses(degree)
+    family.wrap_attention(model, ulysses.wrap)
+    return ulysses
 
 
 @dataclass(frozen=True)
@@ -83,7 +106,8 @@ def setup_of(scenario: Scenario, orig_dtype: torch.dtype, optimizer_foreach: boo
                  reshard_after_forward=s.reshard_after_forward,
                  optimizer_foreach=optimizer_foreach,
                  cpu_offload=s.cpu_offload and device_type == "cuda",
-                 offload_min_bytes=o.min_bytes if moves else None)
+                 offload_min_bytes=o.min_bytes if moves else None,
+                 offload_target=o.target)
 
 
 def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockProfile]:
@@ -122,7 +146,12 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
                        offload)
     if c.policy != "budget":  # as trainer/build.py does
         plan = with_offload(plan, o.target, o.keep_last)
-    return plan, budget
+    return with_tiles(plan, tile_count(scenario.cfg)), budget
+
+
+def with_tiles(plan: list[BlockPlan], tiles: int) -> list[BlockPlan]:
+    """Every block's MLP in `tiles` sequence tiles (the meta profile is traced so)."""
+    return [dataclasses.replace(p, tiles=tiles) for p in plan]
 
 
 class Evaluator:
@@ -136,11 +165,16 @@ class Evaluator:
         self._profiles: dict[tuple, tuple[MetaProfile, list[ParamGroup], torch.dtype]] = {}
 
     def profile(self, cfg: Config) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
-        """Meta profile, parameter groups and parameter dtype of a config (cached by shapes)."""
+        """Meta profile, parameter groups and parameter dtype of a config (cached by shapes).
+
+        One rank's: with sharding.sequence=N its T/N tokens, attention between the meta
+        stand-in of Ulysses' all-to-alls (checkpointing/planner/sequence_trace.py); with
+        checkpointing.tiles=n every block's MLP tiled as the trainer tiles it."""
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
+        degree, tiles = sequence_degree(cfg), tile_count(cfg)
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
-               tuple(cfg.checkpointing.save_ops), task.head_chunk)
+               tuple(cfg.checkpointing.save_ops), task.head_chunk, degree, tiles)
         if key not in self._profiles:
             model = build_on_meta(cfg.model)
             names, blocks = find_model_blocks(model, cfg.model)
@@ -148,12 +182,21 @@ class Evaluator:
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
+            ulysses = one_rank_of_sequence(cfg, model, degree, tiles)
             inputs, targets = task.example(cfg.train.micro_batch_size)
+            if degree > 1:  # this rank's slice of each row (a language model's tokens)
+                inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
             names_ops = list(cfg.checkpointing.save_ops)
             profile = profile_on_meta(model, names, blocks,
                                       lambda m: task.loss(m, inputs, targets),
                                       resolve_ops(names_ops), names_ops,
                                       like_cpu=self.device_type == "cpu")
+            if ulysses is not None:  # one forward's all-to-alls, counted alone
+                ulysses.sent_bytes = 0
+                with torch.no_grad(), FusedAttentionOnMeta(self.device_type == "cpu"):
+                    task.loss(model, inputs, targets)
+                profile = dataclasses.replace(
+                    profile, sent_bytes_per_block=ulysses.sent_bytes // max(1, len(blocks)))
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]
 

@@ -10,6 +10,7 @@ import re
 from dataclasses import asdict
 from typing import Optional, Sequence
 
+from trainer.preflight.degrees import sequence_degree, tile_count
 from trainer.task import task_for
 
 GIB = 2 ** 30
@@ -73,6 +74,11 @@ def summary(outcome) -> dict:
         "recompute_flops_per_step": est.recompute_flops,
         "recompute_seconds_per_step": est.recompute_flops * outcome.seconds_per_flop,
         "host_bytes": est.host, "not_modeled": not_modeled(sc.cfg),
+        "sequence": sequence_degree(sc.cfg), "tiles": tile_count(sc.cfg),
+        "host_per_rank_bytes": {"offloaded_activations": est.host_activations,
+                                "params_grads_optimizer": est.host,
+                                "total": est.host + est.host_activations},
+        "host_per_node_bytes": (est.host + est.host_activations) * sc.gpus_per_node,
         "budget_bytes": outcome.budget.bytes if outcome.budget else None,
         "rest_bytes": outcome.profile.rest_bytes,
         "head": asdict(outcome.profile.head),
@@ -92,8 +98,8 @@ def table(outcome, tflops: float) -> str:
         "",
         f"per rank: world {sc.layout.world_size} ({sc.cfg.sharding.mode}, shard "
         f"{sc.layout.shard} x replicate {sc.layout.replicate}), micro-batch "
-        f"{sc.cfg.train.micro_batch_size} x {tokens} tokens, grad_accum "
-        f"{sc.layout.grad_accum}, param dtype {dtype}",
+        f"{sc.cfg.train.micro_batch_size} x {tokens} tokens{sequence_text(sc.cfg, tokens)}, "
+        f"grad_accum {sc.layout.grad_accum}, param dtype {dtype}",
         f"  {'parameters (this rank' + chr(39) + 's shard)':<39} {peak.params / GIB:>9.2f} GiB",
         f"  {'gradients (at the peak)':<39} {peak.grads / GIB:>9.2f} GiB"
         f"   ({(0 if est.host else est.grads) / GIB:.2f} after backward)",
@@ -112,12 +118,51 @@ def table(outcome, tflops: float) -> str:
     if est.host:
         lines.append(f"host memory (sharding.cpu_offload): parameters, gradients and optimizer "
                      f"state {est.host / GIB:.2f} GiB per rank, not on the GPU")
+    if est.host_activations:
+        lines.append(f"host memory (offload=cpu): {est.host_activations / GIB:.2f} GiB of pinned "
+                     f"offloaded activations per rank at the end of the forward, "
+                     f"{est.host_activations * sc.gpus_per_node / GIB:.2f} GiB per node of "
+                     f"{sc.gpus_per_node} ranks")
     for note in not_modeled(sc.cfg):
         lines.append(f"note: {note}")
     if outcome.budget is not None:
         lines.append(f"budget: {outcome.budget.bytes / GIB:.2f} GiB of activations per rank "
                      f"(no checkpointing: {outcome.budget.no_checkpoint_bytes / GIB:.2f} GiB)")
     return "\n".join(lines)
+
+
+def sequence_text(cfg, tokens: int) -> str:
+    """', sequence 8 (1/8 of each sample's tokens on this rank), MLP in 16 tiles'."""
+    degree, tiles = sequence_degree(cfg), tile_count(cfg)
+    text = (f", sequence {degree} ({tokens // degree} of each sample's tokens on this rank)"
+            if degree > 1 else "")
+    return text + (f", MLPs in {tiles} sequence tiles" if tiles > 1 else "")
+
+
+def host_check(outcome, host_capacity: Optional[int]) -> list[str]:
+    """Lines on host memory: per node against --host-memory-gib, and the pinned pool
+    (offload.max_host_bytes) against what one rank offloads."""
+    est, sc = outcome.estimate, outcome.scenario
+    lines = []
+    per_node = (est.host + est.host_activations) * sc.gpus_per_node
+    if host_capacity is not None and per_node:
+        lines.append(f"host memory fits: {per_node / GIB:.2f} of {host_capacity / GIB:.2f} GiB "
+                     "per node" if per_node <= host_capacity else
+                     f"host memory does NOT fit: {per_node / GIB:.2f} GiB per node needed, "
+                     f"--host-memory-gib {host_capacity / GIB:.2f}")
+    pool = sc.cfg.offload.max_host_bytes
+    if est.host_activations > pool:
+        lines.append(f"offload.max_host_bytes: the pinned pool ({pool / GIB:.2f} GiB) holds less "
+                     f"than the {est.host_activations / GIB:.2f} GiB this plan offloads per rank "
+                     f"(what does not fit stays on the GPU); set offload.max_host_bytes="
+                     f"{-(-est.host_activations // GIB) * GIB} or more")
+    return lines
+
+
+def host_fits(outcome, host_capacity: Optional[int]) -> bool:
+    est, sc = outcome.estimate, outcome.scenario
+    per_node = (est.host + est.host_activations) * sc.gpus_per_node
+    return host_capacity is None or per_node <= host_capacity
 
 
 def not_modeled(cfg) -> list[str]:

@@ -138,6 +138,12 @@ class Family:
 
         return wrap_attend(self.attention_modules(model), wrap)
 
+    def mlp_modules(self, model: nn.Module, pattern: Optional[str] = None) -> list[nn.Module]:
+        """Each block's token-wise MLP (`mlp_of`), in forward order, where it has one: what
+        sequence tiles (checkpointing.tiles, checkpointing/tiles.py) compute in slices."""
+        found = (self.mlp_of(block) for _, block in self.blocks(model, pattern))
+        return [mlp for mlp in found if mlp is not None]
+
     def flops_per_token(self, m: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
         """Training FLOPs per token (forward and backward), for MFU."""
         return model.flops_per_token(tokens_per_sample)

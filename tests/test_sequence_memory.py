@@ -1,0 +1,89 @@
+"""The memory model with sequence tiles and a sequence degree, against real CPU steps: the
+report's per-rank peak for a tiled MLP (one rank) and for Ulysses over two ranks, measured as
+the peak of live tensor bytes of the trainer's own train_step, within the report tests'
+tolerance; and the predictions differ from the untiled / N=1 ones by more than that, so the
+comparison would fail without the modelling."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from checkpointing.meter import SavedBytesMeter
+from checkpointing.tiles import tile_module
+from tests.dist import spawn
+from tests.test_report import (PEAK_TOLERANCE, TINY, _assert_close, _predicted, _random_batch,
+                               world_of_one)  # noqa: F401 (a fixture)
+from trainer.build import build_model
+from trainer.cli import check
+from trainer.distenv import read_env
+from trainer.faults import LossGuard
+from trainer.loop import StepParts, train_step
+from trainer.models.families import family_of
+from trainer.observe.livebytes import LiveTensorBytes, tensors_of
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.state.resume import ModelState
+from trainer.task import task_for
+
+# Long enough rows that the MLP's [tokens, ffn] intermediates set the block's backward peak.
+LONG = TINY + ["data.seq_len=512", "train.micro_batch_size=2", "model.ffn_hidden=1024",
+               "checkpointing=full"]
+
+
+def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict:
+    """Peak live tensor bytes of a measured train_step (after one warm-up), the model tiled
+    and made sequence-parallel here when the build does not do it itself."""
+    cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
+    denv = read_env("cpu")
+    meter = SavedBytesMeter()
+    built = build_model(cfg, denv, layout.replicate, meter)
+    family = family_of(cfg.model)
+    if tiles > 1:
+        for mlp in family.mlp_modules(built.model):
+            if getattr(mlp, "_blocktrain_tiles", None) is None:
+                tile_module(mlp, tiles)
+    if degree > 1 and getattr(built.model, "sequence_group", None) is None:
+        family.sequence_parallel(built.model, dist.group.WORLD)
+    optimizer = build_optimizer(built.model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
+    generator = torch.Generator().manual_seed(0)  # both ranks: the same sample
+    parts = StepParts(ModelState(built.model, optimizer, scheduler), 1.0, meter, built.offloader,
+                      LossGuard(skip_nonfinite=True, max_bad=3, spike_factor=0, window=10))
+    task = task_for(cfg.model, cfg.data, cfg.checkpointing)
+    width = cfg.data.seq_len // degree
+    start = (denv.rank % degree) * width
+    for step in range(2):
+        tokens, inputs, targets = _random_batch(cfg, task, generator)
+        batches = [(inputs[:, start:start + width], targets[:, start:start + width])]
+        if step == 0:
+            train_step(parts, batches, task.loss)
+            continue
+        with LiveTensorBytes(tensors_of(built.model, optimizer) + [tokens, inputs, targets]
+                             + list(batches[0])) as live:
+            train_step(parts, batches, task.loss)
+    return {"peak": live.peak, "plan": [p.recompute for p in built.plan]}
+
+
+def test_tiled_mlp_prediction_matches_a_real_cpu_step(world_of_one) -> None:
+    overrides = LONG + ["checkpointing.tiles=4"]
+    measured = _measured(overrides, world=1, tiles=4, degree=1)
+    predicted = _predicted(overrides, measured["plan"])
+    _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
+                  f"tiles=4 peak ({predicted.peak.name})")
+    untiled = _predicted(LONG, measured["plan"])
+    assert untiled.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
+
+
+def _sequence_step(rank: int, world_size: int, overrides: list[str]) -> dict:
+    return _measured(overrides, world=world_size, tiles=1, degree=2)
+
+
+def test_sequence_degree_prediction_matches_two_real_cpu_ranks() -> None:
+    overrides = LONG + ["sharding.sequence=2"]
+    results = spawn(_sequence_step, 2, overrides)
+    predicted = _predicted(overrides, results[0]["plan"], world=2)
+    for result in results:
+        _assert_close(predicted.peak.total, result["peak"], PEAK_TOLERANCE,
+                      f"sequence=2 peak ({predicted.peak.name})")
+    alone = _predicted(LONG, results[0]["plan"], world=2)
+    assert alone.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)

@@ -1,0 +1,110 @@
+"""Planning with sequence tiles and a sequence degree (issue 38): auto picks the smallest tile
+count (and degree) that fits and says why, --longest finds the longest length, the report
+counts host memory, and the tile and all-to-all costs reach the step time. Tiny models on
+meta; the agreement with measured CPU steps is tests/test_sequence_memory.py's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, subprocess_env
+from trainer.cli import check
+from trainer.preflight.auto_plan import decide, flop_timing, sequence_shapes, table
+from trainer.preflight.longest import longest
+from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, Evaluator, Scenario
+from trainer.preflight.tables import host_check
+
+TINY = ["model.dropout=0", "data=synthetic", "data.seq_len=1024", "train.micro_batch_size=1",
+        "model.ffn_hidden=1024", "checkpointing=full", "model.max_seq_len=4096"]
+
+
+def _scenario(overrides: list[str], world: int = 1) -> Scenario:
+    cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
+    return Scenario(cfg, layout, world)
+
+
+def test_auto_takes_the_fewest_tiles_that_fit_and_says_why_for_the_rest() -> None:
+    evaluator = Evaluator(400)
+    peaks = {t: evaluator.evaluate(_scenario(TINY + [f"checkpointing.tiles={t}"])
+                                   ).estimate.peak.total for t in (1, 2, 4)}
+    assert peaks[1] > peaks[2] > peaks[4]
+    scenario = _scenario(TINY + ["checkpointing.tiles=auto"])
+    capacity = (peaks[2] + peaks[4]) // 2  # 4 tiles fit, 2 do not
+    decision = decide(scenario.cfg, scenario, evaluator, capacity, flop_timing(evaluator))
+    assert decision.tiles == 4 and all(p.tiles == 4 for p in decision.plan)
+    refused = [c for c in decision.candidates if c.plan == "refused"]
+    assert [c.tiles for c in refused] == [1, 2] and all("least" in c.why for c in refused)
+    assert "refused" not in table(decision).splitlines()[1] and "4" in table(decision)
+
+
+def test_auto_sequence_degrees_divide_the_world_and_the_length() -> None:
+    scenario = _scenario(TINY + ["sharding.sequence=auto"], world=4)
+    assert sequence_shapes(scenario.cfg, scenario.layout) == [(1, 1), (2, 1), (4, 1)]
+
+
+def test_a_sequence_degree_divides_activations_and_costs_all_to_all_time() -> None:
+    evaluator = Evaluator(400)
+    alone, shared = (_scenario(TINY + [f"sharding.sequence={n}"], world=2) for n in (1, 2))
+    one, two = evaluator.evaluate(alone), evaluator.evaluate(shared)
+    assert two.estimate.activation_peak < 0.7 * one.estimate.activation_peak
+    assert one.profile.sent_bytes_per_block == 0 < two.profile.sent_bytes_per_block
+    timing = flop_timing(evaluator)(shared.cfg, shared, evaluator)[0]
+    block = two.profile.blocks[0]
+    exchange = two.profile.sent_bytes_per_block / NOMINAL_ALL_TO_ALL_BYTES_PER_S["node"]
+    expected = 3 * block.forward_flops * evaluator.seconds_per_flop + 2 * exchange
+    assert abs(timing.block_compute[0] - expected) < 1e-12
+    assert abs(timing.block_cost[0]["full"] - block.recompute_flops["full"]
+               * evaluator.seconds_per_flop - exchange) < 1e-12
+
+
+def test_tiles_add_one_mlp_forward_to_the_block_time() -> None:
+    evaluator = Evaluator(400)
+    plain, tiled = (_scenario(TINY + [f"checkpointing.tiles={t}"]) for t in (1, 4))
+    measure = evaluator.evaluate(tiled).profile.blocks[0]
+    assert measure.tile_flops > 0 and evaluator.evaluate(plain).profile.blocks[0].tile_flops == 0
+    timing = flop_timing(evaluator)
+    extra = (timing(tiled.cfg, tiled, evaluator)[0].block_compute[0]
+             - timing(plain.cfg, plain, evaluator)[0].block_compute[0])
+    assert abs(extra - measure.tile_flops * evaluator.seconds_per_flop) < 1e-12
+
+
+def test_longest_finds_the_last_length_that_fits() -> None:
+    tried = []
+
+    def predict(scenario):
+        tried.append(scenario.cfg.data.seq_len)
+        return scenario.cfg.data.seq_len <= 5000, None, None
+
+    found = longest(_scenario(TINY), predict)
+    assert found.seq_len == 4096 and tried == [1024, 2048, 4096, 8192, 6144, 5120]
+
+
+def test_host_memory_of_offloaded_activations_is_counted_and_checked() -> None:
+    outcome = Evaluator(400).evaluate(_scenario(TINY + ["offload=cpu", "offload.keep_last=0",
+                                                  "offload.min_bytes=1024"]))
+    moved = outcome.estimate.host_activations
+    assert moved > 0
+    lines = host_check(outcome, host_capacity=moved // 2)
+    assert any(line.startswith("host memory does NOT fit") for line in lines)
+    assert host_check(outcome, host_capacity=moved * 2)[0].startswith("host memory fits")
+
+
+def test_fit_run_hands_the_build_a_concrete_degree_and_tile_count() -> None:
+    from trainer.preflight.auto_plan import Decision
+    from trainer.preflight.auto_run import chosen_config
+
+    scenario = _scenario(TINY + ["checkpointing.tiles=auto", "sharding.sequence=auto"])
+    decision = Decision(1, 1, [], 0, 0, 0.0, [], sequence=2, tiles=8)
+    cfg = chosen_config(scenario.cfg, decision)
+    assert (cfg.sharding.sequence, cfg.checkpointing.tiles, cfg.train.micro_batch_size) == (2, 8, 1)
+
+
+@pytest.mark.parametrize("flag, value", [("--host-memory-gib", "0"), ("--longest-step", "0")])
+def test_report_flags_for_long_sequences_refuse_bad_values_in_one_line(flag, value) -> None:
+    result = subprocess.run([sys.executable, "-m", "trainer.report", flag, value], cwd=REPO,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        result.stderr.strip()] and flag in result.stderr and "Traceback" not in result.stderr
