@@ -207,3 +207,51 @@ def test_sequence_slices_gather_their_own_rows_even_none(sliced, arch) -> None:
         assert sliced[rank][arch]["loss"] <= RELATIVE
         # Attention runs in another order across the all-to-all: tolerance for every weight.
         assert max(sliced[rank][arch]["grads"].values()) <= 1e-5
+
+
+# --- the report's share: from the prepared cache, else the setting, else every row -------------
+
+def test_the_report_plans_the_head_for_the_prepared_caches_share(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tests.helpers import subprocess_env
+    from trainer.cli import check
+    from trainer.data.demo import chat_records, make_tokenizer, write_jsonl
+    from trainer.data.documents import text_datasets
+    from trainer.data.sources import document_settings
+    from trainer.task import with_head_share
+
+    make_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "chats.jsonl", chat_records(40))
+    overrides = ["data=chat", f"data.path={tmp_path / 'chats.jsonl'}", "data.seq_len=64",
+                 f"data.tokenizer={tmp_path / 'tok'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "model.vocab_size=300", "train.micro_batch_size=2"]
+    cfg, _ = check(overrides, {"WORLD_SIZE": "1"})
+    unprepared, note = with_head_share(cfg)
+    assert unprepared.checkpointing.head_supervised_fraction is None and "100%" in note
+    d = cfg.data
+    text_datasets(d.path, d.val_path, d.tokenizer, document_settings(d), d.cache_dir, 300,
+                  preparer=True)
+    resolved, note = with_head_share(cfg)
+    (folder,) = (tmp_path / "cache").glob("*/train/counts.npy")
+    share = resolved.checkpointing.head_supervised_fraction
+    assert share == np.load(folder)[:, 0].max() / 64 and 0 < share < 1
+    assert str(folder.parent.parent) in note
+    given, note = with_head_share(check(overrides + ["checkpointing.head_supervised_fraction=0.3"],
+                                        {"WORLD_SIZE": "1"})[0])
+    assert given.checkpointing.head_supervised_fraction == 0.3 and "30.0%" in note
+    assert with_head_share(check(overrides + ["checkpointing.head_rows=all"],
+                                 {"WORLD_SIZE": "1"})[0])[1] is None
+
+    result = subprocess.run([sys.executable, "-m", "trainer.report", *overrides, "--out",
+                             str(tmp_path / "report")], env=subprocess_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = f"head: plain, rows planned at {share:.1%} supervised (the busiest window"
+    assert line in result.stdout
+    saved = json.loads((tmp_path / "report" / "memory_plan.json").read_text())
+    assert saved["head_rows"].startswith(f"rows planned at {share:.1%}")

@@ -94,6 +94,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as exc:
         print_error(exc, {})
         sys.exit(2)
+    from trainer.task import with_head_share
+
+    cfg, head_note = with_head_share(cfg)  # the head's rows: the prepared data's share
     from trainer.preflight.advice import suggest
     from trainer.preflight.plot import plot_plan
     from trainer.preflight.timeline import picture_line
@@ -132,6 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
               "its device); candidates:\n" + fit_table(decision) + "\n")
     print(table(outcome, args.tflops))
+    if head_note is not None:
+        print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
     print(verdict(peak, capacity))
     advice = []
@@ -142,7 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.makedirs(out, exist_ok=True)
     data = {"command": argv, "capacity_bytes": capacity,
             "fits": None if capacity is None else peak <= capacity,
-            "verdict": verdict(peak, capacity), "tflops": args.tflops, **summary(outcome),
+            "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
+            **summary(outcome),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
                             for s in advice],

@@ -140,7 +140,8 @@ class Evaluator:
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
-               tuple(cfg.checkpointing.save_ops), task.head_chunk)
+               tuple(cfg.checkpointing.save_ops), task.head_chunk, task.gather_rows,
+               task.meta_fraction)
         if key not in self._profiles:
             model = build_on_meta(cfg.model)
             names, blocks = find_model_blocks(model, cfg.model)
