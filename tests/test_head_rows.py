@@ -255,3 +255,21 @@ def test_the_report_plans_the_head_for_the_prepared_caches_share(tmp_path) -> No
     assert line in result.stdout
     saved = json.loads((tmp_path / "report" / "memory_plan.json").read_text())
     assert saved["head_rows"].startswith(f"rows planned at {share:.1%}")
+
+
+def test_auto_times_the_output_layer_on_the_planned_rows_only() -> None:
+    """auto's FLOPs outside the blocks (trainer/preflight/auto_plan.py's rest_flops) lose the
+    output layer's 6 x vocab x dim per row that is not supervised."""
+    from trainer.cli import check
+    from trainer.preflight.auto_plan import rest_flops
+    from trainer.preflight.scenario import Evaluator
+
+    chat = ["data=chat", "data.path=chats.jsonl", "data.tokenizer=tok", "data.seq_len=64",
+            "train.micro_batch_size=2", "model.vocab_size=4096"]
+    flops = {}
+    for share in ("1.0", "0.4"):
+        cfg, _ = check(chat + [f"checkpointing.head_supervised_fraction={share}"],
+                       {"WORLD_SIZE": "1"})
+        flops[share] = rest_flops(cfg, Evaluator(tflops=400).profile(cfg)[0])
+    untied_output = 4096 * 128  # the tiny model's output layer
+    assert flops["1.0"] - flops["0.4"] == pytest.approx(6 * untied_output * 64 * 2 * 0.6)
