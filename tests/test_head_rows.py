@@ -273,3 +273,16 @@ def test_auto_times_the_output_layer_on_the_planned_rows_only() -> None:
         flops[share] = rest_flops(cfg, Evaluator(tflops=400).profile(cfg)[0])
     untied_output = 4096 * 128  # the tiny model's output layer
     assert flops["1.0"] - flops["0.4"] == pytest.approx(6 * untied_output * 64 * 2 * 0.6)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("checkpointing.head_supervised_fraction=1.5", "checkpointing.head_supervised_fraction"),
+    ("checkpointing.head_supervised_fraction=0", "checkpointing.head_supervised_fraction"),
+    ("checkpointing.head_rows=some", "checkpointing.head_rows")])
+def test_bad_head_row_settings_name_their_key(override, key) -> None:
+    from trainer.cli import check
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        check([override], {"WORLD_SIZE": "1"})
+    assert raised.value.key == key
