@@ -21,13 +21,22 @@ are whole multiples of 16 rows do not).
 
 times forward+backward of this op against the plain head and measures the peak of live tensor
 bytes of both.
+
+Supervised rows (checkpointing.head_rows=supervised). With assistant-only chat loss a third of
+the positions carry a target; `supervised_rows` picks them and `summed_head_loss` runs the head,
+plain or chunked, on those rows only (gathered before the final norm), so its FLOPs and memory
+scale with the supervised tokens. What stays equal bit for bit: each row's logits, loss and
+hidden-state gradient (row-local); what moves in the last bits: the loss's sum and the weight
+gradient's, whose terms are the same but summed in another grouping (a product over fewer rows).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+from typing import Callable, Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 OP_NAME = "blocktrain::chunked_linear_cross_entropy"
 
@@ -67,6 +76,59 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     loss, _, _ = _op(tokens, weight, targets, int(chunk_tokens), normaliser, int(ignore_index),
                      grad and tokens.requires_grad, grad and weight.requires_grad)
     return loss
+
+
+# Gathered rows are padded with ignored ones to a multiple of this: the matrix library (MKL,
+# cuBLAS) may round a row of a product differently when the product has a ragged number of rows,
+# and whole multiples of 16 keep each row's logits and hidden gradient bit for bit.
+ROW_MULTIPLE = 16
+
+
+def supervised_rows(targets: torch.Tensor, ignore_index: int = -100,
+                    meta_fraction: float = 1.0) -> Optional[torch.Tensor]:
+    """Flat indices of the targets that are not `ignore_index`, in order, then as many ignored
+    ones as round their number up to ROW_MULTIPLE (they add exact zeros); None when that is
+    every row (the head then runs on all of them, as it always did). Reading the count is one
+    host sync. On meta, which has no values, the first ceil(meta_fraction * tokens) rows stand
+    for them: the share the memory model plans for."""
+    flat = targets.reshape(-1)
+    total = flat.numel()
+    if flat.device.type == "meta":
+        count = math.ceil(meta_fraction * total)
+        count = min(total, -(-count // ROW_MULTIPLE) * ROW_MULTIPLE)
+        return None if count >= total else torch.arange(count, device=flat.device)
+    ignored = flat == ignore_index
+    count = total - int(ignored.sum())
+    count = min(total, -(-count // ROW_MULTIPLE) * ROW_MULTIPLE)
+    if count == total:
+        return None
+    # A stable sort puts the supervised positions first, each kind in its own order.
+    return torch.sort(ignored.to(torch.uint8), stable=True).indices[:count]
+
+
+def take_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., d] (or targets [...]) as the [n, d] ([n]) of `rows` of its flattened leading
+    dimensions; x itself, unflattened, for None."""
+    if rows is None:
+        return x
+    flat = x.reshape(-1, x.shape[-1]) if x.dim() > 1 and x.is_floating_point() else x.reshape(-1)
+    return flat.index_select(0, rows)
+
+
+def summed_head_loss(norm: Callable[[torch.Tensor], torch.Tensor], output: torch.nn.Linear,
+                     hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: Optional[int],
+                     rows: Optional[torch.Tensor], ignore_index: int = -100) -> torch.Tensor:
+    """The next-token cross-entropy summed over the targets (fp32), of the head
+    `output(norm(hidden))` on `rows` only (flat positions; None: all): the plain head (logits,
+    then cross-entropy) or, with chunk_tokens, the fused chunked one. A slice with no supervised
+    row gives 0 and zero gradients."""
+    hidden, targets = take_rows(hidden, rows), take_rows(targets, rows)
+    if chunk_tokens is not None:
+        return chunked_linear_cross_entropy(norm(hidden), output.weight, targets, chunk_tokens,
+                                            normaliser=1.0, ignore_index=ignore_index)
+    logits = output(norm(hidden))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           ignore_index=ignore_index, reduction="sum")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -107,6 +107,7 @@ def test_config_keys_are_frozen() -> None:
         "checkpointing.budget", "checkpointing.profile_repeats", "checkpointing.profile",
         "checkpointing.plan_file",
         "checkpointing.head", "checkpointing.head_chunk_tokens", "checkpointing.head_budget_mib",
+        "checkpointing.head_rows", "checkpointing.head_supervised_fraction",
         "checkpointing.tiles",
         "offload.target", "offload.min_bytes", "offload.keep_last", "offload.max_host_bytes",
         "offload.dir", "offload.max_inflight_bytes", "offload.trim_heap",

@@ -145,7 +145,10 @@ def _random_batch(cfg, task, generator) -> tuple:
     if task.kind == "lm":
         tokens = torch.randint(0, cfg.model.vocab_size, (batch, cfg.data.seq_len + 1),
                                generator=generator)
-        return tokens, tokens[:, :-1], tokens[:, 1:]
+        targets = tokens[:, 1:].clone()
+        if task.gather_rows:  # a chat batch: the planned share of each row learned, no more
+            targets[:, round(task.meta_fraction * cfg.data.seq_len):] = -100
+        return tokens, tokens[:, :-1], targets
     return (torch.randn(batch, *task.sample_shape, generator=generator),
             torch.randint(0, cfg.model.num_classes, (batch,), generator=generator))
 
@@ -230,6 +233,34 @@ def test_predicted_memory_with_the_chunked_head(world_of_one, model, policy) -> 
     predicted = _predicted(overrides, measured["plan"])
     _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
                   f"{model} {policy[0]} chunked head peak ({predicted.peak.name})")
+
+
+# A chat run with its head planned at 40% supervised rows (no files are read before a step).
+CHAT_ROWS = ["data=chat", "data.path=chats.jsonl", "data.tokenizer=tok", "model.vocab_size=4096",
+             "checkpointing.head_supervised_fraction=0.4"]
+
+
+@pytest.mark.parametrize("head", ["plain", "chunked"])
+def test_predicted_memory_of_the_head_on_supervised_rows(world_of_one, head) -> None:
+    """The head on a chat batch's supervised rows (checkpointing.head_rows=supervised): its
+    predicted bytes scale with the planned share, and the peak matches a real CPU step whose
+    batch learns that share of its targets."""
+    overrides = TINY + POLICIES[0] + CHAT_ROWS + [f"checkpointing.head={head}",
+                                                  "checkpointing.head_chunk_tokens=64"]
+    measured = _measured_step(overrides)
+    predicted = _predicted(overrides, measured["plan"])
+    _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
+                  f"{head} head on 40% of the rows, peak ({predicted.peak.name})")
+    heads = {}
+    for rows in ("all", "supervised"):
+        cfg, _ = check(overrides + [f"checkpointing.head_rows={rows}"], {"WORLD_SIZE": "1"})
+        measure = Evaluator(tflops=400).profile(cfg)[0].head
+        heads[rows] = measure.saved_bytes + measure.extra_bytes
+    # 410 of 1,024 rows, padded to 416. The plain head's logits scale with them; the chunked
+    # head holds one chunk's logits and the weight's gradient whatever the rows (its saving is
+    # FLOPs), and the hidden states' gradient, which scales.
+    ratio = heads["supervised"] / heads["all"]
+    assert (0.35 < ratio < 0.5) if head == "plain" else (0.5 < ratio < 0.9), heads
 
 
 def _two_rank_step(rank: int, world_size: int, overrides: list[str]) -> dict:

@@ -231,6 +231,15 @@ class CheckpointingConfig:
     head: str = "plain"
     head_chunk_tokens: Optional[int] = None
     head_budget_mib: int = 256
+    # Which positions the head computes logits for: supervised (only those whose target is
+    # learned, gathered before the final norm, for packed text/chat data: head FLOPs and memory
+    # scale with the supervised tokens; equal to all within rounding, see checkpointing/head.py)
+    # or all (every position: the numerics of runs before 2026-12-03, bit for bit).
+    head_rows: str = "supervised"
+    # The supervised share of the head's rows in the busiest micro-batch, for the memory model,
+    # the report and auto (a run gathers what each batch holds). null: the busiest window's
+    # share in the prepared data=text/chat cache when there is one, else 1 (every row).
+    head_supervised_fraction: Optional[float] = None
     # Sequence tiles: each block's MLP computed and recomputed over this many slices of the
     # sequence, so its [tokens, ffn] intermediates never exist whole (checkpointing/tiles.py);
     # auto: the planner picks the fewest that fit. 1: untiled.
@@ -329,6 +338,7 @@ CHOICES = {
     "data.train_on": ("assistant", "last", "all"),
     "data.format": ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"),
     "checkpointing.head": ("plain", "chunked"),
+    "checkpointing.head_rows": ("supervised", "all"),
     "data.overlong": ("truncate", "drop"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),

@@ -53,7 +53,7 @@ from trainer.state.ownership import own_run_dir
 from trainer.state.resume import ModelState, Progress, RunRecord, resume
 from trainer.state.rollback import Rollback
 from trainer.state.schedule import SaveSchedule
-from trainer.task import task_for
+from trainer.task import task_for, with_head_share
 from trainer.validate import Layout, model_facts
 
 log = logging.getLogger("trainer")
@@ -199,6 +199,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, layout: Layout, run_dir: str, denv: DistEnv) -> None:
         decision = None
+        # The share of supervised rows the head is planned for: the prepared cache's, if any.
+        cfg, self.head_note = with_head_share(cfg)
         if fitting(cfg):  # checkpointing=auto or micro_batch_size=auto: decide, then build
             cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
         self.cfg, self.layout, self.run_dir, self.denv = cfg, layout, run_dir, denv
@@ -242,6 +244,8 @@ class Trainer:
             predicted = start_of_run(self.logger, cfg, built, layout, denv, run_dir, resumed,
                                      self.alerts)
             self._announce()
+            if self.head_note is not None:
+                self.logger.info(f"head: {cfg.checkpointing.head}, {self.head_note}")
             self.steplog = StepLog(lg, t.steps, self.logger, self.alerts, self._shape(),
                                    Gauges(self.device, meter, built.offloader),
                                    Startup(built.build_s, built.started, built.compiled_blocks,

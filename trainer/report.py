@@ -150,6 +150,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as exc:
         print_error(exc, {})
         sys.exit(2)
+    from trainer.task import with_head_share
+
+    cfg, head_note = with_head_share(cfg)  # the head's rows: the prepared data's share
     from trainer.preflight.advice import suggest
     from trainer.preflight.plot import plot_plan
     from trainer.preflight.timeline import picture_line
@@ -187,6 +190,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
               "its device); candidates:\n" + fit_table(decision) + "\n")
     print(table(outcome, args.tflops))
+    if head_note is not None:
+        print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
     print(verdict(peak, capacity))
     for line in host_check(outcome, host):
@@ -202,7 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "seq_len": outcome.scenario.cfg.data.seq_len,
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
             "fits": None if capacity is None else peak <= capacity,
-            "verdict": verdict(peak, capacity), "tflops": args.tflops, **summary(outcome),
+            "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
+            **summary(outcome),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
                             for s in advice],

@@ -213,6 +213,9 @@ def _check_checkpointing(c: CheckpointingConfig, compile_on: bool) -> None:
             f"must be null (from checkpointing.head_budget_mib) or > 0, got {c.head_chunk_tokens}")
     require(c.head_budget_mib > 0, "checkpointing.head_budget_mib",
             f"must be > 0 MiB, got {c.head_budget_mib}")
+    f = c.head_supervised_fraction
+    require(f is None or 0 < f <= 1, "checkpointing.head_supervised_fraction",
+            f"must be null (from the data cache) or in (0, 1], got {f}")
     if c.policy == "selective":
         require(len(c.save_ops) > 0, "checkpointing.save_ops",
                 "selective checkpointing needs at least one op to keep, e.g. [mm,addmm]")

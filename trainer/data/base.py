@@ -62,6 +62,12 @@ class Source:
     def check_deep(self, d: DataConfig, model: ModelFacts) -> None:
         """What only the libraries and the files' contents tell (before the run starts)."""
 
+    def prepared_supervised_share(self, d: DataConfig,
+                                  model: ModelFacts) -> Optional[tuple[float, str]]:
+        """(the largest share of a window's targets that are learned, where that was read) from
+        data prepared before, or None: every target is learned, or nothing is prepared yet."""
+        return None
+
     def datasets(self, d: DataConfig, model: ModelFacts, sampling: Sampling,
                  preprocess: Optional[dict] = None) -> tuple:
         """(train, validation) datasets, indexable by the global sampler."""

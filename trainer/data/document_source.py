@@ -53,6 +53,17 @@ class DocumentSource(Source):
                               f"has {len(tokenizer)} ids, more than the model's "
                               f"{model.vocab_size}")
 
+    def prepared_supervised_share(self, d: DataConfig,
+                                  model: ModelFacts) -> Optional[tuple[float, str]]:
+        """The busiest window's share of learned targets in the prepared cache of these files,
+        tokenizer and settings (the head's rows in the busiest micro-batch are at most that)."""
+        from trainer.data.documents import prepared_folder, busiest_share
+        from trainer.data.sources import document_settings
+
+        folder = prepared_folder(d.path, d.val_path, d.tokenizer or model.path,
+                                 document_settings(d), d.cache_dir)
+        return None if folder is None else (busiest_share(folder, d.seq_len), folder)
+
     def datasets(self, d: DataConfig, model: ModelFacts, sampling: Sampling,
                  preprocess: Optional[dict] = None) -> tuple:
         from trainer.data.documents import text_datasets
@@ -73,6 +84,10 @@ class StreamSource(DocumentSource):
         super().check_files(d, model)
         require(d.val_path is not None, "data.val_path",
                 "data.streaming=true reads validation from its own file: set data.val_path")
+
+    def prepared_supervised_share(self, d: DataConfig,
+                                  model: ModelFacts) -> Optional[tuple[float, str]]:
+        return None  # a stream is tokenized as it arrives: nothing to read before the run
 
     def _stream_share(self, sampling: Sampling) -> Optional[tuple[int, int, int, int]]:
         # A sequence group reads one share of the records: its ranks slice the same windows.

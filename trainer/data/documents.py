@@ -92,6 +92,27 @@ def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[s
     return PackedWindows(os.path.join(folder, "train")), PackedWindows(os.path.join(folder, "val"))
 
 
+def prepared_folder(path: str, val_path: Optional[str], tokenizer_name: Optional[str],
+                    settings: DocSettings, cache_dir: Optional[str]) -> Optional[str]:
+    """The cache folder these files, tokenizer and settings were prepared into, when they were;
+    None when not (or the tokenizer does not load: the run's own checks say why)."""
+    try:
+        tokenizer = load_tokenizer(tokenizer_name, settings.kind)
+        folder = os.path.join(cache_dir or default_cache_dir(),
+                              cache_key(path, val_path, tokenizer, settings))
+    except (DataError, OSError):
+        return None
+    return folder if os.path.exists(os.path.join(folder, "meta.json")) else None
+
+
+def busiest_share(folder: str, seq_len: int) -> float:
+    """The largest share of a training window's positions whose target is learned."""
+    import numpy as np
+
+    counts = np.load(os.path.join(folder, "train", "counts.npy"), mmap_mode="r")
+    return float(counts[:, 0].max()) / seq_len if len(counts) else 1.0
+
+
 def _wait_for(folder: str, poll_s: float = 0.5) -> None:
     while not os.path.exists(os.path.join(folder, "meta.json")):
         time.sleep(poll_s)

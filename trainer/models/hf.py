@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
+from trainer.models.hf_settings import bent_logit_fields
 from trainer.models.weights import BufferKeeper, SafetensorsReader
 
 PREFIX = "hf."  # parameter names inside the wrapper; the HF name follows
@@ -111,21 +112,30 @@ class HFCausalLM(HFWrapper):
     sequence_implementation = "sdpa"
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                targets: Optional[torch.Tensor] = None,
-                chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                targets: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [B, T, vocab]. `positions` ([B, T] integers, restarting at 0 per document)
         makes a packed batch: HF reads documents from `position_ids` when no attention mask is
         given (masking_utils.find_packed_sequence_indices) and keeps attention inside each.
 
         With `targets` and `chunk_tokens` (checkpointing.head=chunked): the summed next-token
         loss from the decoder's last hidden state and the output projection's weight through
-        the fused chunked head; HF's own logits and loss are never made."""
+        the fused chunked head; HF's own logits and loss are never made. With `targets` and
+        `rows` (flat positions into [B * T], checkpointing.head_rows=supervised): the summed
+        loss of the head, plain or chunked, on those rows only."""
         # Without positions the call is exactly the unpacked one (HF makes its own arange).
         extra = {} if positions is None else {"position_ids": positions}
         if self.sequence_group is not None:
             extra = self._sequence_parallel(tokens, positions)
-        if targets is not None and chunk_tokens is not None:
-            return self._chunked_loss(tokens, extra, targets, chunk_tokens)
+        if targets is not None and (chunk_tokens is not None or rows is not None):
+            if chunk_tokens is None and bent_logit_fields(self.hf.config):
+                # HF bends its logits after the output layer (soft-capping, scales): the rows
+                # of its own logits, exact but with no saving.
+                from checkpointing.head import summed_head_loss
+
+                logits = self(tokens, positions=positions)
+                return summed_head_loss(nn.Identity(), nn.Identity(), logits, targets, None, rows)
+            return self._head_loss(tokens, extra, targets, chunk_tokens, rows)
         if tokens.device.type == "meta":
             # HF decides mask shortcuts from tensor values, which meta tensors do not have;
             # fake tensors it recognises as tracing (shapes only, like meta). Packed or not,
@@ -152,9 +162,11 @@ class HFCausalLM(HFWrapper):
         local = global_positions(tokens, self.sequence_group) if positions is None else positions
         return {"position_ids": local, SEQUENCE_MASK: mask}
 
-    def _chunked_loss(self, tokens: torch.Tensor, extra: dict, targets: torch.Tensor,
-                      chunk_tokens: int) -> torch.Tensor:
-        from checkpointing.head import chunked_linear_cross_entropy
+    def _head_loss(self, tokens: torch.Tensor, extra: dict, targets: torch.Tensor,
+                   chunk_tokens: Optional[int], rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """The summed loss from the decoder's last hidden state (already normed) and the output
+        layer, on `rows` (None: all)."""
+        from checkpointing.head import summed_head_loss
 
         decoder, head = self.hf.get_decoder(), self.hf.get_output_embeddings()
         if tokens.device.type == "meta":  # as for the logits: shapes only, then the head
@@ -164,8 +176,7 @@ class HFCausalLM(HFWrapper):
                 hidden = decoder(input_ids=tokens, use_cache=False, **extra).last_hidden_state
         else:
             hidden = decoder(input_ids=tokens, use_cache=False, **extra).last_hidden_state
-        return chunked_linear_cross_entropy(hidden, head.weight, targets, chunk_tokens,
-                                            normaliser=1.0)
+        return summed_head_loss(nn.Identity(), head, hidden, targets, chunk_tokens, rows)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 N + 12 L d T, with N the non-embedding parameters counting the output head (a tied

@@ -9,6 +9,15 @@ import os
 
 from trainer.config import ConfigError, ModelConfig, require
 
+# HF config fields that change the logits beyond the output layer of the last hidden state: the
+# fused head cannot apply them, and the plain head gathers supervised rows from HF's own logits.
+LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+def bent_logit_fields(hf_config) -> list[str]:
+    """The LOGIT_FIELDS this HF config sets to something that changes the logits."""
+    return [f for f in LOGIT_FIELDS if getattr(hf_config, f, None) not in (None, 1, 1.0)]
+
 
 # HF attention implementations sequence parallelism runs (trainer/models/sequence_parallel.py
 # builds their whole-sequence masks); here, without torch, for the validator.

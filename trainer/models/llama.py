@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from checkpointing.head import chunked_linear_cross_entropy
+from checkpointing.head import summed_head_loss
 from trainer.models.doc_attention import (DocumentMask, check_positions, choose_backend,
                                     document_mask, masked_attention)
 from trainer.models.sequence_parallel import group_place, whole_positions
@@ -192,8 +192,8 @@ class Llama(nn.Module):
         return self
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None,
-                chunk_tokens: int | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, chunk_tokens: int | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]``. ``positions`` ([B, T] integers) marks packed documents:
         rotary angles follow them and attention stays inside each document (a position that
         is not the previous one + 1 starts a document). ``None``: one sequence per row.
@@ -202,6 +202,9 @@ class Llama(nn.Module):
         next-token loss instead, from the fused chunked head (checkpointing/head.py), which
         never holds the whole logits. Inside this forward the output weight is whole under
         FSDP (the root's parameters are gathered once for it), tied or not.
+
+        With ``targets`` and ``rows`` (flat positions into [B * T], checkpointing.head_rows=
+        supervised): the summed loss of the head, plain or chunked, on those rows only.
 
         Sequence parallel (``sequence_group`` set): ``tokens``, ``positions`` and ``targets``
         are this rank's contiguous slice of each row; the result is that slice of the
@@ -231,10 +234,9 @@ class Llama(nn.Module):
             masked = (document_mask(whole_positions(positions, self.sequence_group), backend),)
         for block in self.layers:
             hidden = block(hidden, rope, *masked)
-        if targets is not None and chunk_tokens is not None:
-            return chunked_linear_cross_entropy(self.norm(hidden), self.output.weight, targets,
-                                                chunk_tokens, normaliser=1.0,
-                                                ignore_index=IGNORE_INDEX)
+        if targets is not None and (chunk_tokens is not None or rows is not None):
+            return summed_head_loss(self.norm, self.output, hidden, targets, chunk_tokens, rows,
+                                    IGNORE_INDEX)
         return self.output(self.norm(hidden))
 
     def param_init_std(self, name: str) -> float | None:

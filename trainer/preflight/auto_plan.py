@@ -148,10 +148,15 @@ def rest_flops(cfg: Config, profile) -> float:
     from trainer.models.families import family_of
     from trainer.task import task_for
 
-    tokens = task_for(cfg.model, cfg.data, cfg.checkpointing).tokens_per_sample
+    task = task_for(cfg.model, cfg.data, cfg.checkpointing)
+    tokens, model = task.tokens_per_sample, build_on_meta(cfg.model)
+    total = family_of(cfg.model).flops_per_token(cfg.model, model, tokens) * tokens
+    if task.gather_rows:  # the output layer runs on the supervised rows only
+        head = set(profile.head.grad_param_names)
+        matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
+        total -= 6 * matmul * tokens * (1 - task.meta_fraction)
     # A rank of a sequence group computes 1/N of each sample (its tokens, its heads).
-    total = family_of(cfg.model).flops_per_token(cfg.model, build_on_meta(cfg.model),
-                                                 tokens) * tokens / sequence_degree(cfg)
+    total /= sequence_degree(cfg)
     blocks = 3 * sum(m.forward_flops for m in profile.blocks)
     return max(0.0, total * cfg.train.micro_batch_size - blocks)
 

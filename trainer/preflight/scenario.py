@@ -174,7 +174,8 @@ class Evaluator:
         degree, tiles = sequence_degree(cfg), tile_count(cfg)
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
-               tuple(cfg.checkpointing.save_ops), task.head_chunk, degree, tiles)
+               tuple(cfg.checkpointing.save_ops), task.head_chunk, task.gather_rows,
+               task.meta_fraction, degree, tiles)
         if key not in self._profiles:
             model = build_on_meta(cfg.model)
             names, blocks = find_model_blocks(model, cfg.model)

@@ -55,9 +55,17 @@ class Task:
     # checkpointing.head=chunked: the model makes its summed loss itself through the fused
     # chunked head, this many tokens at a time (None: logits, then the criterion).
     head_chunk: int | None = None
+    # checkpointing.head_rows=supervised on a summed loss: the head runs on the supervised rows
+    # only (checkpointing/head.py); on meta, the first `meta_fraction` of the rows stand for them.
+    gather_rows: bool = False
+    meta_fraction: float = 1.0
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
              positions: torch.Tensor | None = None) -> torch.Tensor:
+        rows = self._rows(targets)
+        if rows is not None:  # a summed loss, from the head on the supervised rows
+            return model(inputs, positions=positions, targets=targets,
+                         chunk_tokens=self.head_chunk, rows=rows)
         if self.head_chunk is not None:
             total = model(inputs, positions=positions, targets=targets,
                           chunk_tokens=self.head_chunk)
@@ -65,6 +73,14 @@ class Task:
         if positions is None:
             return self.criterion(model(inputs), targets)
         return self.criterion(model(inputs, positions=positions), targets)
+
+    def _rows(self, targets: torch.Tensor) -> torch.Tensor | None:
+        """The flat positions the head computes, or None for all of them."""
+        if not self.gather_rows:
+            return None
+        from checkpointing.head import supervised_rows
+
+        return supervised_rows(targets, IGNORE_INDEX, self.meta_fraction)
 
     def example(self, micro_batch_size: int, device: torch.device | str = "meta") -> Batch:
         """A micro-batch of the right shapes and dtypes (zeros; on meta for tracing)."""
@@ -84,6 +100,9 @@ class Task:
         if self.head_chunk is not None:  # no logits: the loss, and the targets it averages
             loss = self.loss(model, inputs, targets, positions)
             return loss, (targets != IGNORE_INDEX).sum().float()
+        if self.gather_rows:  # summed: from the supervised rows' logits only
+            return (self.loss(model, inputs, targets, positions),
+                    (targets != IGNORE_INDEX).sum().float())
         logits = model(inputs) if positions is None else model(inputs, positions=positions)
         if self.summed:
             return self.criterion(logits, targets), (targets != IGNORE_INDEX).sum().float()
@@ -223,8 +242,11 @@ class LanguageModel(Family):
         from trainer.models.llama import next_token_loss, next_token_loss_sum
 
         criterion = next_token_loss_sum if summed else next_token_loss
+        # Only packed documents (a summed loss) have targets that are not learned.
+        gather = summed and head.head_rows == "supervised"
         return Task("lm", (seq_len,), seq_len, criterion, summed=summed,
-                    head_chunk=self.head_chunk(m, head))
+                    head_chunk=self.head_chunk(m, head), gather_rows=gather,
+                    meta_fraction=head.head_supervised_fraction or 1.0)
 
 
 class ImageClassifier(Family):

@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from trainer.config import ConfigError, ModelConfig, require
 from trainer.models.families.base import LanguageModel
-from trainer.models.hf_settings import HF_IMPLEMENTATIONS, check_hf_source, hf_fields
+from trainer.models.hf_settings import (HF_IMPLEMENTATIONS, bent_logit_fields, check_hf_source,
+                                          hf_fields)
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-# HF config fields that change the logits beyond hidden @ W.T: the fused head cannot apply them.
-LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
 
 class HFCausalLM(LanguageModel):
@@ -136,7 +134,7 @@ class HFCausalLM(LanguageModel):
 
     def check_fused_head(self, m: ModelConfig) -> None:
         hf = self.build_on_meta(m).hf
-        bent = [f for f in LOGIT_FIELDS if getattr(hf.config, f, None) not in (None, 1, 1.0)]
+        bent = bent_logit_fields(hf.config)
         if bent:
             raise ConfigError("checkpointing.head", f"chunked computes logits as hidden @ W.T; "
                               f"this {hf.config.model_type} model also applies "
