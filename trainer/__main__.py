@@ -47,6 +47,8 @@ def _job(cfg: DictConfig, run_dir: str, multirun: bool) -> None:
     from trainer.state.ownership import RunDirBusy
     from trainer.state.save_errors import SAVE_FAILED_EXIT, SaveFailed
     from trainer.state.checkpoint import CheckpointError
+    from trainer.data.cache_files import CacheFull
+    from trainer.data.interrupt import PrepareStopped
 
     try:
         status = train(config, layout, run_dir=run_dir, keep_process_group=multirun)
@@ -72,6 +74,12 @@ def _job(cfg: DictConfig, run_dir: str, multirun: bool) -> None:
         if _debug():
             raise
         _fail(f"error: save.dir: {exc}", SAVE_FAILED_EXIT)
+    except CacheFull as exc:  # a full data.cache_dir: nothing half-written was kept
+        if _debug():
+            raise
+        _fail(f"error: data.cache_dir: {exc.strerror}", SAVE_FAILED_EXIT)
+    except PrepareStopped as exc:  # a signal while tokenizing: nothing half-written was kept
+        _fail(str(exc), exc.status)
     if status:
         sys.exit(status)  # preempted after saving: the launcher may run it again
 

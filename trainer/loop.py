@@ -221,7 +221,7 @@ class Trainer:
                                                watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
             self.closing.callback(self.preemption.restore)
             resumed = resume(self.checkpointer, self.model_state, layout, cfg, denv.rank,
-                             self.data) if cfg.save.resume else None
+                             self.data, run_dir) if cfg.save.resume else None
             self.progress = Progress() if resumed is None else resumed[0]
             self.logger = start_logging(cfg, denv, run_dir, self.progress.step)
             self.logger.start_step = self.progress.batch_index
@@ -240,7 +240,7 @@ class Trainer:
             self.rollback = Rollback(self.checkpointer, self.model_state, guard, self.logger,
                                      self.alerts, cfg.faults.max_rollbacks)
             self.saves = SaveSchedule(cfg.save, t.steps, self.checkpointer, self.watchdog,
-                                      RunRecord(layout, cfg, run_dir))
+                                      RunRecord(layout, cfg, run_dir, self.data))
             self.stops = StopVote(self.preemption, self.checkpointer, t.stop_at_step, t.steps)
             self.step_parts = StepParts(self.model_state, cfg.optim.grad_clip, meter,
                                         built.offloader, guard, self.stops)

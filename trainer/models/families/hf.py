@@ -23,7 +23,7 @@ LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "out
 
 class HFCausalLM(LanguageModel):
     arch = "hf"
-    vocab_key = "model.hf_config"
+    vocab_key = "model.hf_config.vocab_size"
 
     def validate(self, m: ModelConfig) -> None:
         check_hf_source(m)
