@@ -96,7 +96,10 @@ def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[s
     folder = os.path.join(root, key)
     meta = _trusted(folder, path, val_path, tokenizer, settings, preparer, vocab_size)
     train = PackedWindows(os.path.join(folder, "train"))
-    train.identity = identity(key, path, val_path, tokenizer_name, tokenizer, settings, meta)
+    files = {"data.path": source_fingerprint(path),
+             "data.val_path": source_fingerprint(val_path) if val_path else None}
+    train.identity = identity(key, files, tokenizer_name, tokenizer_fingerprint(tokenizer),
+                              settings, meta)
     return train, PackedWindows(os.path.join(folder, "val"))
 
 

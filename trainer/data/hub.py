@@ -12,7 +12,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from trainer.data.sources import DataError
+from trainer.data.errors import DataError
 
 PROBE_TIMEOUT_S = 3.0
 DEFAULT_ENDPOINT = "https://huggingface.co"

@@ -19,18 +19,16 @@ from typing import Optional
 ON_CHANGE = ("refuse", "new_epoch")
 
 
-def identity(key: str, path: str, val_path: Optional[str], tokenizer_name: Optional[str],
-             tokenizer, settings, meta: dict) -> dict:
-    from trainer.data.documents import source_fingerprint, tokenizer_fingerprint
-
+def identity(key: str, files: dict, tokenizer_name: Optional[str], tokenizer_hash: str,
+             settings, meta: dict) -> dict:
+    """`files`: {"data.path": fingerprint, "data.val_path": fingerprint or None} (documents.py's
+    source_fingerprint); meta: the cached folder's meta.json."""
     train_files = sorted(k for k in meta.get("files", {}) if k.startswith("train" + os.sep))
     content = hashlib.blake2b("".join(meta["files"][k]["blake2b"] for k in train_files).encode(),
                               digest_size=16).hexdigest()
     return {"key": key, "content": content,
             "windows": {"train": meta["train"]["windows"], "val": meta["val"]["windows"]},
-            "files": {"data.path": source_fingerprint(path),
-                      "data.val_path": source_fingerprint(val_path) if val_path else None},
-            "tokenizer": tokenizer_name, "tokenizer_hash": tokenizer_fingerprint(tokenizer)[:16],
+            "files": files, "tokenizer": tokenizer_name, "tokenizer_hash": tokenizer_hash[:16],
             "settings": asdict(settings)}
 
 

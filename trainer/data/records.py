@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from trainer.data.sources import DataError
+from trainer.data.errors import DataError
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainer.data.chat import ChatError, check_template
+from trainer.data.errors import DataError
 from trainer.data.formats import FormatError, check_field_names
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -31,10 +32,6 @@ class DocSettings:
     val_fraction: float = 0.01
     format: str = "auto"  # chat: the record shape (trainer/data/formats.py)
     skip_bad_records: bool = False  # leave out (and count) records that cannot be read
-
-
-class DataError(ValueError):
-    """Data that cannot be used; the message starts with the setting to change."""
 
 
 def data_files(path: str) -> list[str]:
