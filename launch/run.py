@@ -38,6 +38,7 @@ STOP_AT_ONCE_S = 3.0
 # a failed save, a setting. A restart would not change them.
 DELIBERATE = {2, 74, 75, 130}
 INTERRUPTED = 130
+USAGE_ERROR = 2  # a mistake on the command line, as the trainer's own
 # After one worker's deliberate exit, how long the others get to end by themselves before the
 # agent stops them: they take the same decision at the same step boundary, or a moment later
 # (trainer/cli.py's SILENT_RANK_EXIT_DELAY_S), unless they are waiting for the one that left.
@@ -192,6 +193,16 @@ def _quiet_torchrun() -> None:
         handler.addFilter(quiet)
 
 
+def _bad_nproc(value: str) -> Optional[str]:
+    """What is wrong with --nproc-per-node (torchrun takes 0 and starts no worker), or None."""
+    if value in ("auto", "cpu", "gpu", "xpu"):
+        return None
+    if not value.lstrip("-").isdigit() or int(value) < 1:
+        return (f"must be a number of processes per node of at least 1 (or auto, cpu, gpu), "
+                f"got {value}")
+    return None
+
+
 def _without(signals: str, handled: Sequence[str]) -> str:
     return ",".join(s for s in signals.split(",") if s.strip() and s.strip() not in handled)
 
@@ -207,6 +218,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     _quiet_torchrun()
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    bad = _bad_nproc(str(args.nproc_per_node))
+    if bad:
+        print(f"error: --nproc-per-node: {bad}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(USAGE_ERROR)
     if hasattr(args, "signals_to_handle"):  # ours are SIGINT and SIGTERM
         args.signals_to_handle = _without(args.signals_to_handle, ("SIGINT", "SIGTERM"))
     launcher_api.LocalElasticAgent = agent_class(group)  # launch_agent builds the agent by name

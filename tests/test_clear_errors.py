@@ -295,3 +295,18 @@ def test_a_file_system_without_locks_warns_instead_of_failing(tmp_path, monkeypa
     lock.acquire()  # Lustre without -o flock: the run goes on, and says what it cannot do
     lock.release()
     assert "cannot lock the run directory" in caplog.text
+
+
+def test_launch_run_with_no_processes_per_node_is_one_line_exit_2(tmp_path) -> None:
+    """torchrun takes --nproc-per-node 0 and fails later with its own trace (exit 1)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    done = subprocess.run([sys.executable, "-m", "launch.run", "--nproc-per-node", "0", "-m",
+                           "trainer"], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "error: --nproc-per-node: must be a number of processes per node of at least 1 (or "
+        "auto, cpu, gpu), got 0"), done.stderr[-2000:]
