@@ -310,3 +310,17 @@ def test_launch_run_with_no_processes_per_node_is_one_line_exit_2(tmp_path) -> N
     assert done.returncode == 2 and done.stderr.strip() == (
         "error: --nproc-per-node: must be a number of processes per node of at least 1 (or "
         "auto, cpu, gpu), got 0"), done.stderr[-2000:]
+
+
+def test_an_attention_the_hf_model_lacks_names_model_attn_implementation(tmp_path) -> None:
+    """transformers refuses sdpa for Gemma 2 with a paragraph and a trace: one line instead."""
+    gemma2 = ("model.hf_config={model_type: gemma2, vocab_size: 256, hidden_size: 64, "
+              "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+              "num_key_value_heads: 2, head_dim: 16}")
+    result = run_trainer([*QUICK, "model=hf", gemma2, "data=synthetic", "train.steps=1",
+                          "data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: model.attn_implementation: sdpa: transformers says: "
+                           "Gemma2ForCausalLM does not support") and line.endswith(
+        "set model.attn_implementation=eager (or another the model supports)")
