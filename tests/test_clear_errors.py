@@ -324,3 +324,24 @@ def test_an_attention_the_hf_model_lacks_names_model_attn_implementation(tmp_pat
     assert line.startswith("error: model.attn_implementation: sdpa: transformers says: "
                            "Gemma2ForCausalLM does not support") and line.endswith(
         "set model.attn_implementation=eager (or another the model supports)")
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5, 4.0])
+def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
+    """Imports (0.3 s), the pre-flight check and config (1.5 s), building the model (4 s):
+    exit 130 with one line, never a KeyboardInterrupt trace."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, subprocess_env, trainer_command
+
+    child = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=50",
+                                              f"hydra.run.dir={tmp_path / 'run'}"]),
+                             cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted")

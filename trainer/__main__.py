@@ -9,9 +9,22 @@ composition (`cli.single_run`: run directory, config dump, train.log, as Hydra s
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-import hydra
+
+def _interrupted_while_importing(signum, frame) -> None:
+    """Ctrl-C before main() runs (Hydra's, torch's imports: seconds): a line, not a trace."""
+    os.write(2, b"\ninterrupted while starting: nothing was written\n")
+    os._exit(130)
+
+
+# A process started with Ctrl-C ignored (a shell's background job, nohup) keeps ignoring it.
+_SIGINT_IGNORED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+if not _SIGINT_IGNORED:
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+import hydra  # noqa: E402  (after the handler: these imports are what a Ctrl-C interrupts)
 from omegaconf import DictConfig
 
 from trainer import cli
@@ -139,12 +152,14 @@ def _exit_now(status: int) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if cli.preflight(argv):
-        cli.exit_after_error()
-    register_schema()
-    register_resolver()
-    _claim_run_dir(argv)
+    if not _SIGINT_IGNORED:  # KeyboardInterrupt from here on, caught below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if cli.preflight(argv):
+            cli.exit_after_error()
+        register_schema()
+        register_resolver()
+        _claim_run_dir(argv)
         single = cli.single_run(argv)  # one composition: the pre-flight check's
         if single is not None:
             _job(*single, multirun=False)
