@@ -52,6 +52,7 @@ from trainer.state.checkpoint import Checkpointer, clear_stopped, mark_stopped
 from trainer.state.ownership import own_run_dir
 from trainer.state.resume import ModelState, Progress, RunRecord, resume
 from trainer.state.rollback import Rollback
+from trainer.state.save_errors import SaveFailed
 from trainer.state.schedule import SaveSchedule
 from trainer.task import task_for
 from trainer.validate import Layout, model_facts
@@ -268,6 +269,10 @@ class Trainer:
             except CollectiveFailure as failure:  # the watchdog named it: alert, then leave
                 self.alerts.fire("collective_timeout", self.progress.step + 1, str(failure),
                                  "ERROR", self.progress.batch_index)
+                raise
+            except SaveFailed:
+                if self.preemption.at_once:  # the second Ctrl-C broke the save (faults.py)
+                    raise KeyboardInterrupt from None
                 raise
             self.checkpointer.close()  # an async save still being written is committed first
             return status
