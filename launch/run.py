@@ -193,6 +193,11 @@ def _quiet_torchrun() -> None:
         handler.addFilter(quiet)
 
 
+def _stopped_while_importing(number: int, frame: object) -> None:
+    os.write(2, f"{AT_ONCE_LINE}\n".encode())
+    os._exit(INTERRUPTED)
+
+
 def _bad_nproc(value: str) -> Optional[str]:
     """What is wrong with --nproc-per-node (torchrun takes 0 and starts no worker), or None."""
     if value in ("auto", "cpu", "gpu", "xpu"):
@@ -210,12 +215,17 @@ def _without(signals: str, handled: Sequence[str]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     group = Group()
-    group.install()  # a Ctrl-C during the rendezvous stops at once
+    # torch's imports take seconds, and a KeyboardInterrupt raised inside them can come out as
+    # an ImportError trace, or be swallowed by an optional import's `except ImportError` (the
+    # run then started anyway): a Ctrl-C there ends the launcher at once, nothing started yet.
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job keeps ignoring
+        signal.signal(signal.SIGINT, _stopped_while_importing)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher import api as launcher_api
 
+    group.install()  # a Ctrl-C during the rendezvous stops at once
     _quiet_torchrun()
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     bad = _bad_nproc(str(args.nproc_per_node))

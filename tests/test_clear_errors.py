@@ -345,3 +345,26 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
     _, err = child.communicate(timeout=120)
     assert child.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("interrupted")
+
+
+@pytest.mark.parametrize("after_s", [0.5, 1.2, 3.0])
+def test_ctrl_c_while_launch_run_starts_is_one_line_and_130(tmp_path, after_s) -> None:
+    """The launcher's torch imports (a KeyboardInterrupt there came out as a trace, an
+    ImportError, or was swallowed and the run went on), the rendezvous, the workers' imports:
+    the terminal's Ctrl-C (the whole process group) ends all of it, 130 and one line."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, subprocess_env, trainer_command
+
+    agent = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=50",
+                                              f"hydra.run.dir={tmp_path / 'run'}"], nproc=2,
+                                             launcher="launch.run"),
+                             cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(after_s)
+    os.killpg(agent.pid, signal.SIGINT)
+    _, err = agent.communicate(timeout=120)
+    assert agent.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted")
