@@ -238,3 +238,25 @@ def test_the_data_identity_says_what_changed_and_new_epoch_restarts_the_order(tm
         continue_order(saved, after, "refuse", 12, 3)
     origin, note = continue_order(saved, after, "new_epoch", 12, 3)
     assert origin == 12 and note.startswith("data changed since the checkpoint of step 3")
+
+
+def test_a_damaged_cache_that_cannot_be_prepared_again_is_refused_naming_the_file(
+        tmp_path, tok, monkeypatch) -> None:
+    """A dataset name's cache is found without the hub; with the hub out of reach it cannot be
+    tokenized again, and the line names the damaged file as well as why."""
+    from trainer.data import documents
+
+    path = write_jsonl(tmp_path / "t.jsonl", text_records(40))
+    train, _ = windows(path, tok, "text", tmp_path / "c")
+    targets = os.path.join(train.folder, "targets.npy")
+    with open(targets, "r+b") as f:
+        f.truncate(200)
+
+    def offline(*args, **kwargs):
+        raise DataError("data.path: 'x/y' is no file or folder here, and the hub is out of reach")
+
+    monkeypatch.setattr(documents, "prepare", offline)
+    with pytest.raises(DataError, match=rf"^data.cache_dir: {targets}: 200 bytes, written as "
+                       r"\d+ \(truncated or overwritten\), and preparing it again failed: "
+                       "data.path: 'x/y'"):
+        windows(path, tok, "text", tmp_path / "c")

@@ -107,10 +107,17 @@ def _trusted(folder: str, path: str, val_path: Optional[str], tokenizer, setting
              preparer: bool, vocab_size: int) -> dict:
     """The cached folder's meta once its files pass their check: prepared when missing, and
     prepared again (by the preparer; the others wait for it) when a file fails."""
+    damaged = None  # what was wrong with the folder found, once it was discarded
     for attempt in range(3):
         if not os.path.exists(os.path.join(folder, "meta.json")):
             if preparer:
-                _prepare_locked(folder, path, val_path, tokenizer, settings)
+                try:
+                    _prepare_locked(folder, path, val_path, tokenizer, settings)
+                except DataError as exc:  # e.g. a dataset name, the hub out of reach
+                    if damaged is None:
+                        raise
+                    raise DataError(f"data.cache_dir: {damaged}, and preparing it again "
+                                    f"failed: {exc}") from None
             else:
                 _wait_for(folder)
         with open(os.path.join(folder, "meta.json")) as f:
@@ -124,6 +131,7 @@ def _trusted(folder: str, path: str, val_path: Optional[str], tokenizer, setting
         if preparer:
             log.warning("data: cached file not trusted (%s): tokenizing again", wrong)
             _discard(folder)
+            damaged = wrong
         else:
             _wait_for_change(folder, os.stat(os.path.join(folder, "meta.json")).st_mtime_ns)
     raise AssertionError("unreachable")
