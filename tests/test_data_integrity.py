@@ -195,15 +195,18 @@ def test_an_hf_vocabulary_smaller_than_the_tokenizer_names_hf_config(tmp_path, t
                           f"data.tokenizer={tok}"))
 
 
-def test_a_dataset_name_without_network_fails_fast(tmp_path) -> None:
-    """HF_ENDPOINT at a local port nobody listens on: one line within seconds, no retries."""
+def test_a_dataset_or_tokenizer_name_without_network_fails_fast(tmp_path) -> None:
+    """HF_ENDPOINT at a local port nobody listens on: one line each within seconds, no
+    retries."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: connections are refused
-    code = ("from trainer.data.sources import open_documents, DataError\n"
+    code = ("from trainer.data.sources import open_documents, load_tokenizer, DataError\n"
             "try:\n open_documents('someone/no-such-dataset', 'train')\n"
+            "except DataError as e:\n print(e)\n"
+            "try:\n load_tokenizer('someone/no-such-tokenizer', 'text')\n"
             "except DataError as e:\n print(e)\n")
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
@@ -211,9 +214,13 @@ def test_a_dataset_name_without_network_fails_fast(tmp_path) -> None:
                                               "HF_HOME": str(tmp_path / "hf")}), timeout=120)
     took = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith(f"data.path: 'someone/no-such-dataset' is no file or folder "
-                                  f"here, and the hub (http://127.0.0.1:{port}) is out of reach")
-    assert took < 15, took
+    dataset, tokenizer = done.stdout.splitlines()
+    assert dataset.startswith(f"data.path: 'someone/no-such-dataset' is no file or folder "
+                              f"here, and the hub (http://127.0.0.1:{port}) is out of reach")
+    assert tokenizer.startswith(f"data.tokenizer: cannot load a tokenizer from "
+                                f"someone/no-such-tokenizer (the hub (http://127.0.0.1:{port}) "
+                                "is out of reach, and it is not in the local cache")
+    assert took < 20, took  # imports included; 56 s with the hub's retries (2026-12-03)
 
 
 def test_the_data_identity_says_what_changed_and_new_epoch_restarts_the_order(tmp_path,

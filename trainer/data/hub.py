@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Optional
 from urllib.parse import urlparse
 
 from trainer.data.errors import DataError
@@ -47,20 +48,27 @@ def _go_offline() -> None:
     datasets.config.HF_DATASETS_OFFLINE = True  # older datasets read this one
 
 
+def offline_reason() -> Optional[str]:
+    """Why the hub cannot be asked (then this process reads local caches only), or None."""
+    if _offline():
+        return "HF_HUB_OFFLINE is set"
+    url = endpoint()
+    if not reachable(url):
+        _go_offline()
+        return f"the hub ({url}) is out of reach"
+    return None
+
+
 def load_named(name: str, split: str, streaming: bool, key: str = "data.path"):
     import datasets
 
-    url = endpoint()
-    offline = _offline() or not reachable(url)
-    if offline and not _offline():
-        _go_offline()
+    why = offline_reason()
+    offline = why is not None
     try:
         return datasets.load_dataset(name, split=split, streaming=streaming)
     except Exception as exc:
         first = (str(exc).splitlines() or [""])[0][:200]
         if offline:
-            why = ("HF_HUB_OFFLINE is set" if _offline() else
-                   f"the hub ({url}) is out of reach")
             raise DataError(f"{key}: {name!r} is no file or folder here, and {why}: the dataset "
                             f"is not in the local cache ({type(exc).__name__}: {first}); point "
                             f"{key} at local files, or run where the hub is reachable "

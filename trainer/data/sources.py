@@ -96,11 +96,18 @@ def load_tokenizer(name: Optional[str], kind: str):
                         "set data.tokenizer=<folder or name> (model=hf uses model.path)")
     from transformers import AutoTokenizer
 
+    offline = None
+    if not os.path.exists(name) and not name.startswith((".", "/", "~")):  # a hub name: local
+        # cache only when the hub is out of reach (else each request retries for many seconds)
+        from trainer.data.hub import offline_reason
+
+        offline = offline_reason()
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as exc:
         raise DataError(f"data.tokenizer: cannot load a tokenizer from {name} "
-                        f"({str(exc).splitlines()[0][:200]})") from None
+                        + (f"({offline}, and it is not in the local cache: " if offline else "(")
+                        + f"{str(exc).splitlines()[0][:200]})") from None
     if kind == "chat":
         try:
             check_template(tokenizer, name)
