@@ -13,16 +13,21 @@ import signal
 import sys
 
 
-def _interrupted_while_importing(signum, frame) -> None:
-    """Ctrl-C before main() runs (Hydra's, torch's imports: seconds): a line, not a trace."""
-    os.write(2, b"\ninterrupted while starting: nothing was written\n")
+def _interrupted_at_once(signum, frame) -> None:
+    """Ctrl-C outside the training loop (whose own handler saves first: trainer/faults.py): stop
+    at once with a line. Not a KeyboardInterrupt: start-up is mostly imports (Hydra's, torch's,
+    numpy's lazy ones while the data is read), and one raised inside an import comes out as a
+    trace, a RecursionError or an ImportError, or is swallowed by an optional import's
+    `except ImportError`. Nothing is half-written here: files are replaced whole, and the
+    tokenizer's cache handles its own signals (trainer/data/interrupt.py)."""
+    os.write(2, b"\ninterrupted: stopped at once, without saving; the checkpoints written so "
+                b"far are kept\n")
     os._exit(130)
 
 
 # A process started with Ctrl-C ignored (a shell's background job, nohup) keeps ignoring it.
-_SIGINT_IGNORED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-if not _SIGINT_IGNORED:
-    signal.signal(signal.SIGINT, _interrupted_while_importing)
+if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+    signal.signal(signal.SIGINT, _interrupted_at_once)
 
 import hydra  # noqa: E402  (after the handler: these imports are what a Ctrl-C interrupts)
 from omegaconf import DictConfig
@@ -152,8 +157,6 @@ def _exit_now(status: int) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if not _SIGINT_IGNORED:  # KeyboardInterrupt from here on, caught below
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if cli.preflight(argv):
             cli.exit_after_error()
