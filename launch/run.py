@@ -38,6 +38,7 @@ STOP_AT_ONCE_S = 3.0
 # a failed save, a setting. A restart would not change them.
 DELIBERATE = {2, 74, 75, 130}
 INTERRUPTED = 130
+USAGE_ERROR = 2  # a mistake on the command line, as the trainer's own
 # After one worker's deliberate exit, how long the others get to end by themselves before the
 # agent stops them: they take the same decision at the same step boundary, or a moment later
 # (trainer/cli.py's SILENT_RANK_EXIT_DELAY_S), unless they are waiting for the one that left.
@@ -192,6 +193,21 @@ def _quiet_torchrun() -> None:
         handler.addFilter(quiet)
 
 
+def _stopped_while_importing(number: int, frame: object) -> None:
+    os.write(2, f"{AT_ONCE_LINE}\n".encode())
+    os._exit(INTERRUPTED)
+
+
+def _bad_nproc(value: str) -> Optional[str]:
+    """What is wrong with --nproc-per-node (torchrun takes 0 and starts no worker), or None."""
+    if value in ("auto", "cpu", "gpu", "xpu"):
+        return None
+    if not value.lstrip("-").isdigit() or int(value) < 1:
+        return (f"must be a number of processes per node of at least 1 (or auto, cpu, gpu), "
+                f"got {value}")
+    return None
+
+
 def _without(signals: str, handled: Sequence[str]) -> str:
     return ",".join(s for s in signals.split(",") if s.strip() and s.strip() not in handled)
 
@@ -199,14 +215,24 @@ def _without(signals: str, handled: Sequence[str]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     group = Group()
-    group.install()  # a Ctrl-C during the rendezvous stops at once
+    # torch's imports take seconds, and a KeyboardInterrupt raised inside them can come out as
+    # an ImportError trace, or be swallowed by an optional import's `except ImportError` (the
+    # run then started anyway): a Ctrl-C there ends the launcher at once, nothing started yet.
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job keeps ignoring
+        signal.signal(signal.SIGINT, _stopped_while_importing)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher import api as launcher_api
 
+    group.install()  # a Ctrl-C during the rendezvous stops at once
     _quiet_torchrun()
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    bad = _bad_nproc(str(args.nproc_per_node))
+    if bad:
+        print(f"error: --nproc-per-node: {bad}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(USAGE_ERROR)
     if hasattr(args, "signals_to_handle"):  # ours are SIGINT and SIGTERM
         args.signals_to_handle = _without(args.signals_to_handle, ("SIGINT", "SIGTERM"))
     launcher_api.LocalElasticAgent = agent_class(group)  # launch_agent builds the agent by name

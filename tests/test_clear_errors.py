@@ -295,3 +295,76 @@ def test_a_file_system_without_locks_warns_instead_of_failing(tmp_path, monkeypa
     lock.acquire()  # Lustre without -o flock: the run goes on, and says what it cannot do
     lock.release()
     assert "cannot lock the run directory" in caplog.text
+
+
+def test_launch_run_with_no_processes_per_node_is_one_line_exit_2(tmp_path) -> None:
+    """torchrun takes --nproc-per-node 0 and fails later with its own trace (exit 1)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    done = subprocess.run([sys.executable, "-m", "launch.run", "--nproc-per-node", "0", "-m",
+                           "trainer"], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "error: --nproc-per-node: must be a number of processes per node of at least 1 (or "
+        "auto, cpu, gpu), got 0"), done.stderr[-2000:]
+
+
+def test_an_attention_the_hf_model_lacks_names_model_attn_implementation(tmp_path) -> None:
+    """transformers refuses sdpa for Gemma 2 with a paragraph and a trace: one line instead."""
+    gemma2 = ("model.hf_config={model_type: gemma2, vocab_size: 256, hidden_size: 64, "
+              "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+              "num_key_value_heads: 2, head_dim: 16}")
+    result = run_trainer([*QUICK, "model=hf", gemma2, "data=synthetic", "train.steps=1",
+                          "data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: model.attn_implementation: sdpa: transformers says: "
+                           "Gemma2ForCausalLM does not support") and line.endswith(
+        "set model.attn_implementation=eager (or another the model supports)")
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5, 4.0])
+def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
+    """Imports (0.3 s), the pre-flight check and config (1.5 s), building the model (4 s):
+    exit 130 with one line, never a KeyboardInterrupt trace."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, subprocess_env, trainer_command
+
+    child = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=50",
+                                              f"hydra.run.dir={tmp_path / 'run'}"]),
+                             cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted")
+
+
+@pytest.mark.parametrize("after_s", [0.5, 1.2, 3.0])
+def test_ctrl_c_while_launch_run_starts_is_one_line_and_130(tmp_path, after_s) -> None:
+    """The launcher's torch imports (a KeyboardInterrupt there came out as a trace, an
+    ImportError, or was swallowed and the run went on), the rendezvous, the workers' imports:
+    the terminal's Ctrl-C (the whole process group) ends all of it, 130 and one line."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, subprocess_env, trainer_command
+
+    agent = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=50",
+                                              f"hydra.run.dir={tmp_path / 'run'}"], nproc=2,
+                                             launcher="launch.run"),
+                             cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(after_s)
+    os.killpg(agent.pid, signal.SIGINT)
+    _, err = agent.communicate(timeout=120)
+    assert agent.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted")

@@ -56,3 +56,39 @@ def test_a_world_of_one_votes_alone() -> None:
     assert (mean, sums) == (0.25, [0, 1])
     assert vote.decide(2, sums) is None and checkpointer.polled == [False]
     assert vote.decide(3, sums) == "train.stop_at_step"
+
+
+def test_a_save_broken_by_the_second_ctrl_c_is_that_stop_not_a_failed_save() -> None:
+    """torch.save writing DCP's files can swallow the second Ctrl-C's KeyboardInterrupt in its
+    C++ writer and fail as "unexpected pos" (exit 74, blaming save.dir, 2 of 4 tries 0.2-0.4 s
+    into a stop's save). The handler remembers it raised; the run then stops as interrupted."""
+    import contextlib
+    import os
+    import signal
+    import types
+
+    import pytest
+
+    from trainer.faults import PreemptionSignal
+    from trainer.loop import Trainer
+    from trainer.state.save_errors import SaveFailed
+
+    preemption = PreemptionSignal(None, announce=False)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the first: finish the step and save
+        assert preemption.received == "SIGINT" and not preemption.at_once
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second: stop now
+        assert preemption.at_once
+    finally:
+        preemption.restore()
+
+    def steps():
+        raise SaveFailed("saving step 2 failed (RuntimeError: unexpected pos 704 vs 598)")
+
+    for at_once, raised in ((True, KeyboardInterrupt), (False, SaveFailed)):
+        fake = types.SimpleNamespace(closing=contextlib.ExitStack(), _steps=steps,
+                                     evaluation=types.SimpleNamespace(start=lambda: None),
+                                     preemption=types.SimpleNamespace(at_once=at_once))
+        with pytest.raises(raised):
+            Trainer.run(fake)

@@ -9,9 +9,27 @@ composition (`cli.single_run`: run directory, config dump, train.log, as Hydra s
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-import hydra
+
+def _interrupted_at_once(signum, frame) -> None:
+    """Ctrl-C outside the training loop (whose own handler saves first: trainer/faults.py): stop
+    at once with a line. Not a KeyboardInterrupt: start-up is mostly imports (Hydra's, torch's,
+    numpy's lazy ones while the data is read), and one raised inside an import comes out as a
+    trace, a RecursionError or an ImportError, or is swallowed by an optional import's
+    `except ImportError`. Nothing is half-written here: files are replaced whole, and the
+    tokenizer's cache handles its own signals (trainer/data/interrupt.py)."""
+    os.write(2, b"\ninterrupted: stopped at once, without saving; the checkpoints written so "
+                b"far are kept\n")
+    os._exit(130)
+
+
+# A process started with Ctrl-C ignored (a shell's background job, nohup) keeps ignoring it.
+if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+    signal.signal(signal.SIGINT, _interrupted_at_once)
+
+import hydra  # noqa: E402  (after the handler: these imports are what a Ctrl-C interrupts)
 from omegaconf import DictConfig
 
 from trainer import cli
@@ -47,6 +65,8 @@ def _job(cfg: DictConfig, run_dir: str, multirun: bool) -> None:
     from trainer.state.ownership import RunDirBusy
     from trainer.state.save_errors import SAVE_FAILED_EXIT, SaveFailed
     from trainer.state.checkpoint import CheckpointError
+    from trainer.data.cache_files import CacheFull
+    from trainer.data.interrupt import PrepareStopped
 
     try:
         status = train(config, layout, run_dir=run_dir, keep_process_group=multirun)
@@ -72,6 +92,12 @@ def _job(cfg: DictConfig, run_dir: str, multirun: bool) -> None:
         if _debug():
             raise
         _fail(f"error: save.dir: {exc}", SAVE_FAILED_EXIT)
+    except CacheFull as exc:  # a full data.cache_dir: nothing half-written was kept
+        if _debug():
+            raise
+        _fail(f"error: data.cache_dir: {exc.strerror}", SAVE_FAILED_EXIT)
+    except PrepareStopped as exc:  # a signal while tokenizing: nothing half-written was kept
+        _fail(str(exc), exc.status)
     if status:
         sys.exit(status)  # preempted after saving: the launcher may run it again
 
@@ -131,12 +157,12 @@ def _exit_now(status: int) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if cli.preflight(argv):
-        cli.exit_after_error()
-    register_schema()
-    register_resolver()
-    _claim_run_dir(argv)
     try:
+        if cli.preflight(argv):
+            cli.exit_after_error()
+        register_schema()
+        register_resolver()
+        _claim_run_dir(argv)
         single = cli.single_run(argv)  # one composition: the pre-flight check's
         if single is not None:
             _job(*single, multirun=False)

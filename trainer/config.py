@@ -138,6 +138,15 @@ class DataConfig:
     # Read data.path as a stream, tokenized and packed as it arrives (no cache): for corpora
     # larger than the disk. Needs data.val_path; resumes only on the same number of ranks.
     streaming: bool = False
+    # data=text / chat: a resume whose training windows differ from those the checkpoint was
+    # trained on (a file grew, another tokenizer or setting): refuse (one line saying what
+    # changed) | new_epoch (go on with a new window order from that step, logged and written
+    # to the run directory's data_changes.json).
+    on_change: str = "refuse"
+    # data=text / chat: a jsonl line that is not a JSON object, a record in no known shape, or
+    # one the chat template fails on stops the run naming it (file and line or index); true
+    # skips it instead, counted in the log and in the cache's meta.json (bad_records).
+    skip_bad_records: bool = False
 
 
 @dataclass
@@ -340,6 +349,7 @@ CHOICES = {
     "checkpointing.head": ("plain", "chunked"),
     "checkpointing.head_rows": ("supervised", "all"),
     "data.overlong": ("truncate", "drop"),
+    "data.on_change": ("refuse", "new_epoch"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.compile_backend": ("inductor", "aot_eager", "eager"),

@@ -53,6 +53,10 @@ class PreemptionSignal:
         # session of its own, and then a second SIGINT is always the user's second Ctrl-C.
         self._echoes = watch_launcher and _same_process_group_as_parent()
         self._first_sigint = 0.0
+        # Set with the second Ctrl-C's KeyboardInterrupt: torch.save writing to a stream (DCP's
+        # files) can swallow it in its C++ writer and fail as "unexpected pos" instead, so a
+        # save that fails after it is this stop, not a failed save (Trainer.run).
+        self.at_once = False
         self._previous = {}
         names = ["SIGTERM", "SIGINT"] + ([extra] if extra and extra not in ("SIGTERM", "SIGINT")
                                          else [])
@@ -71,6 +75,7 @@ class PreemptionSignal:
             # Where a Ctrl-C reaches a worker twice (from the terminal and, a moment later,
             # from the agent: see _echoes), only a later one is the user's second Ctrl-C.
             if not (self._echoes and time.monotonic() - self._first_sigint < ECHO_WINDOW_S):
+                self.at_once = True
                 raise KeyboardInterrupt  # the second Ctrl-C: stop now
             return
         if name == "SIGINT":

@@ -52,6 +52,7 @@ from trainer.state.checkpoint import Checkpointer, clear_stopped, mark_stopped
 from trainer.state.ownership import own_run_dir
 from trainer.state.resume import ModelState, Progress, RunRecord, resume
 from trainer.state.rollback import Rollback
+from trainer.state.save_errors import SaveFailed
 from trainer.state.schedule import SaveSchedule
 from trainer.task import task_for, with_head_share
 from trainer.validate import Layout, model_facts
@@ -236,7 +237,7 @@ class Trainer:
                                                watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
             self.closing.callback(self.preemption.restore)
             resumed = resume(self.checkpointer, self.model_state, layout, cfg, denv.rank,
-                             self.data) if cfg.save.resume else None
+                             self.data, run_dir) if cfg.save.resume else None
             self.progress = Progress() if resumed is None else resumed[0]
             self.logger = start_logging(cfg, denv, run_dir, self.progress.step)
             self.logger.start_step = self.progress.batch_index
@@ -257,7 +258,7 @@ class Trainer:
             self.rollback = Rollback(self.checkpointer, self.model_state, guard, self.logger,
                                      self.alerts, cfg.faults.max_rollbacks)
             self.saves = SaveSchedule(cfg.save, t.steps, self.checkpointer, self.watchdog,
-                                      RunRecord(layout, cfg, run_dir))
+                                      RunRecord(layout, cfg, run_dir, self.data))
             self.stops = StopVote(self.preemption, self.checkpointer, t.stop_at_step, t.steps)
             self.step_parts = StepParts(self.model_state, cfg.optim.grad_clip, meter,
                                         built.offloader, guard, self.stops)
@@ -285,6 +286,10 @@ class Trainer:
             except CollectiveFailure as failure:  # the watchdog named it: alert, then leave
                 self.alerts.fire("collective_timeout", self.progress.step + 1, str(failure),
                                  "ERROR", self.progress.batch_index)
+                raise
+            except SaveFailed:
+                if self.preemption.at_once:  # the second Ctrl-C broke the save (faults.py)
+                    raise KeyboardInterrupt from None
                 raise
             self.checkpointer.close()  # an async save still being written is committed first
             return status

@@ -80,6 +80,16 @@ class Data:
                      saved_sequence: int = 1) -> None:
         """Refuse a checkpoint this data cannot continue from (ConfigError)."""
 
+    def record(self) -> Optional[dict]:
+        """What a checkpoint records of the data (trainer/data/identity.py), if anything."""
+        return None
+
+    def continue_from(self, saved: Optional[dict], on_change: str, batch_index: int,
+                      step: int) -> Optional[str]:
+        """Check a checkpoint's record of its data against this data: ConfigError for a
+        change refused, else a note of the change gone on with (data.on_change)."""
+        return None
+
     def close(self) -> None:
         """Stop reading ahead."""
 
@@ -93,6 +103,9 @@ class SampledData(Data):
         self.val = sampling.sliced(val_batches(val, sampling.eval_batches,
                                                sampling.micro_batch_size, sampling.data_rank,
                                                sampling.data_size))
+        # The global batch index at which the window order starts: 0, or where a resume on
+        # changed data went on with a new order (data.on_change=new_epoch).
+        self.origin = 0
         self._ahead = Prefetcher(self._read, workers)
 
     def batch(self, index: int) -> tuple[list[Batch], Counts]:
@@ -100,9 +113,22 @@ class SampledData(Data):
 
     def _read(self, index: int) -> tuple[list[Batch], Counts]:
         s = self.sampling
-        return (s.sliced(train_batch(self.train, index, s.micro_batch_size, s.grad_accum,
+        at = index - self.origin if index >= self.origin else index
+        return (s.sliced(train_batch(self.train, at, s.micro_batch_size, s.grad_accum,
                                      s.data_rank, s.data_size, s.seed)),
-                step_counts(self.train, index, s.global_batch_size, s.seed))
+                step_counts(self.train, at, s.global_batch_size, s.seed))
+
+    def record(self) -> Optional[dict]:
+        identity = getattr(self.train, "identity", None)
+        return None if identity is None else {"identity": identity, "origin": self.origin}
+
+    def continue_from(self, saved: Optional[dict], on_change: str, batch_index: int,
+                      step: int) -> Optional[str]:
+        from trainer.data.identity import continue_order
+
+        self.origin, note = continue_order(saved, getattr(self.train, "identity", None),
+                                           on_change, batch_index, step)
+        return note
 
     def close(self) -> None:
         self._ahead.close()

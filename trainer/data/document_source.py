@@ -44,12 +44,13 @@ class DocumentSource(Source):
                                           first_record_fields, load_tokenizer)
 
         # A DataError's message starts with the setting to change (the caller names it).
-        fields = first_record_fields(d.path, d.split)
-        if fields is not None:
-            check_fields(fields, document_settings(d), d.path)
+        for path, key in ((d.path, "data.path"), (d.val_path, "data.val_path")):
+            fields = first_record_fields(path, d.split, key) if path else None
+            if fields is not None:
+                check_fields(fields, document_settings(d), path)
         tokenizer = load_tokenizer(d.tokenizer or model.path, self.name)
         if len(tokenizer) > model.vocab_size:
-            raise ConfigError("model.vocab_size", f"the tokenizer {d.tokenizer or model.path} "
+            raise ConfigError(model.vocab_key, f"the tokenizer {d.tokenizer or model.path} "
                               f"has {len(tokenizer)} ids, more than the model's "
                               f"{model.vocab_size}")
 
@@ -71,7 +72,7 @@ class DocumentSource(Source):
 
         return text_datasets(d.path, d.val_path, d.tokenizer or model.path,
                              document_settings(d), d.cache_dir, model.vocab_size,
-                             sampling.preparer, self._stream_share(sampling))
+                             sampling.preparer, self._stream_share(sampling), model.vocab_key)
 
     def _stream_share(self, sampling: Sampling) -> Optional[tuple[int, int, int, int]]:
         return None

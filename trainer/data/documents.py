@@ -22,13 +22,19 @@ import time
 from dataclasses import asdict
 from typing import Optional
 
+from trainer.data.cache_files import (TEMP_MARK, describe, full, is_full, problem,
+                                      remove_dead_temps)
+from trainer.data.identity import identity
+from trainer.data.interrupt import stop_signals
 from trainer.data.packing import PackedWindows
 from trainer.data.sources import (DataError, DocSettings, data_files, is_saved_dataset,
                                   load_tokenizer)
 from trainer.data.tokenize_docs import prepare
 
 log = logging.getLogger("trainer")
-VERSION = 1  # of the cached folder's layout: a change here makes every key new
+# Of the cached folder's layout: a change here makes every key new. 2: files checked by size
+# and checksum, ids by their maximum (2026-12-03).
+VERSION = 2
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -67,29 +73,75 @@ def default_cache_dir() -> str:
 
 def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[str],
                   settings: DocSettings, cache_dir: Optional[str], vocab_size: int,
-                  preparer: bool, stream: Optional[tuple[int, int, int, int]] = None):
+                  preparer: bool, stream: Optional[tuple[int, int, int, int]] = None,
+                  vocab_key: str = "model.vocab_size"):
     """(train, validation) windows, prepared here (or by this node's preparer) when not
-    cached yet. stream: (rank, world, micro-batch, accumulation) of a streamed training corpus
-    (trainer/data/stream.py); its validation documents (`val_path`) are prepared as above."""
+    cached yet, or when the cached files fail their check (trainer/data/cache_files.py).
+    stream: (rank, world, micro-batch, accumulation) of a streamed training corpus
+    (trainer/data/stream.py); its validation documents (`val_path`) are prepared as above.
+    The training windows carry `identity`: what a checkpoint records of the data."""
     tokenizer = load_tokenizer(tokenizer_name, settings.kind)
     if len(tokenizer) > vocab_size:
-        raise DataError(f"model.vocab_size: the tokenizer {tokenizer_name} has {len(tokenizer)} "
+        raise DataError(f"{vocab_key}: the tokenizer {tokenizer_name} has {len(tokenizer)} "
                         f"ids, more than the model's {vocab_size}")
     if stream is not None:
         from trainer.data.stream import StreamWindows
 
         # Validation is the whole of data.val_path, prepared (and cached) as usual.
         _, val = text_datasets(val_path, val_path, tokenizer_name, settings, cache_dir,
-                               vocab_size, preparer)
+                               vocab_size, preparer, vocab_key=vocab_key)
         return StreamWindows(path, tokenizer, settings, *stream), val
-    folder = os.path.join(cache_dir or default_cache_dir(),
-                          cache_key(path, val_path, tokenizer, settings))
-    if not os.path.exists(os.path.join(folder, "meta.json")):
+    root = cache_dir or default_cache_dir()
+    key = cache_key(path, val_path, tokenizer, settings)
+    folder = os.path.join(root, key)
+    meta = _trusted(folder, path, val_path, tokenizer, settings, preparer, vocab_size)
+    train = PackedWindows(os.path.join(folder, "train"))
+    files = {"data.path": source_fingerprint(path),
+             "data.val_path": source_fingerprint(val_path) if val_path else None}
+    train.identity = identity(key, files, tokenizer_name, tokenizer_fingerprint(tokenizer),
+                              settings, meta)
+    return train, PackedWindows(os.path.join(folder, "val"))
+
+
+def _trusted(folder: str, path: str, val_path: Optional[str], tokenizer, settings: DocSettings,
+             preparer: bool, vocab_size: int) -> dict:
+    """The cached folder's meta once its files pass their check: prepared when missing, and
+    prepared again (by the preparer; the others wait for it) when a file fails."""
+    damaged = None  # what was wrong with the folder found, once it was discarded
+    for attempt in range(3):
+        if not os.path.exists(os.path.join(folder, "meta.json")):
+            if preparer:
+                try:
+                    _prepare_locked(folder, path, val_path, tokenizer, settings)
+                except DataError as exc:  # e.g. a dataset name, the hub out of reach
+                    if damaged is None:
+                        raise
+                    raise DataError(f"data.cache_dir: {damaged}, and preparing it again "
+                                    f"failed: {exc}") from None
+            else:
+                _wait_for(folder)
+        with open(os.path.join(folder, "meta.json")) as f:
+            meta = json.load(f)
+        wrong = problem(folder, meta, vocab_size)
+        if wrong is None:
+            return meta
+        if attempt == 2 or not preparer and attempt == 1:
+            raise DataError(f"data.cache_dir: {wrong}; it was prepared again and is still "
+                            "wrong: remove the folder, or set data.cache_dir elsewhere")
         if preparer:
-            _prepare_locked(folder, path, val_path, tokenizer, settings)
+            log.warning("data: cached file not trusted (%s): tokenizing again", wrong)
+            _discard(folder)
+            damaged = wrong
         else:
-            _wait_for(folder)
-    return PackedWindows(os.path.join(folder, "train")), PackedWindows(os.path.join(folder, "val"))
+            _wait_for_change(folder, os.stat(os.path.join(folder, "meta.json")).st_mtime_ns)
+    raise AssertionError("unreachable")
+
+
+def _discard(folder: str) -> None:
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.remove(os.path.join(folder, "meta.json"))  # what says "whole": first to go
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def prepared_folder(path: str, val_path: Optional[str], tokenizer_name: Optional[str],
@@ -118,24 +170,45 @@ def _wait_for(folder: str, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+def _wait_for_change(folder: str, mtime_ns: int, poll_s: float = 0.5) -> None:
+    meta = os.path.join(folder, "meta.json")
+    while not os.path.exists(meta) or os.stat(meta).st_mtime_ns == mtime_ns:
+        time.sleep(poll_s)
+
+
 def _prepare_locked(folder: str, path: str, val_path: Optional[str], tokenizer,
                     settings: DocSettings) -> None:
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    cache_dir = os.path.dirname(folder)
+    os.makedirs(cache_dir, exist_ok=True)
+    for gone in remove_dead_temps(cache_dir):
+        log.info("data: removed %s, left by a writer that is gone", gone)
     with open(folder + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another node on this file system may be at it
         if os.path.exists(os.path.join(folder, "meta.json")):
             return
-        work = f"{folder}.tmp-{os.getpid()}"
+        work = f"{folder}{TEMP_MARK}{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         try:
-            meta = prepare(work, path, val_path, tokenizer, settings)
-            with open(os.path.join(work, "meta.json"), "w") as f:
-                json.dump(meta, f, indent=1)
-            shutil.rmtree(folder, ignore_errors=True)
-            os.rename(work, folder)
+            with stop_signals(path):
+                meta = prepare(work, path, val_path, tokenizer, settings)
+                meta["files"] = describe(work)
+                write_json(os.path.join(work, "meta.json"), meta)
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(work, folder)
+        except OSError as exc:
+            if is_full(exc):
+                raise full(cache_dir) from None
+            raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
     log.info("data: %s", summary_line(meta, folder))
+
+
+def write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def summary_line(meta: dict, folder: str) -> str:
@@ -144,4 +217,22 @@ def summary_line(meta: dict, folder: str) -> str:
             f"({meta['documents'] / max(meta['tokenize_s'], 1e-9):,.0f} docs/s, "
             f"{meta['tokens'] / max(meta['tokenize_s'], 1e-9):,.0f} tokens/s); train: "
             f"{t['windows']:,} windows, {t['supervised']:,} supervised tokens, packing "
-            f"efficiency {t['efficiency']:.1%}; skipped {meta['skipped']}; cached in {folder}")
+            f"efficiency {t['efficiency']:.1%}; {skipped_line(meta)}; cached in {folder}")
+
+
+def skipped_line(meta: dict) -> str:
+    """What was left out, in meta.json's own counts and names."""
+    why = meta.get("skipped_why", {})
+    parts = [f"skipped {meta['skipped']} documents" + (" (" + ", ".join(
+        f"{n} {k.replace('_', ' ')}" for k, n in why.items() if n) + ")" if meta["skipped"]
+        else "")]
+    dropped = {s: meta[s]["dropped_overlong"] for s in ("train", "val")}
+    truncated = {s: meta[s]["truncated"] for s in ("train", "val")}
+    if any(dropped.values()):
+        parts.append(f"dropped_overlong {dropped['train']} train, {dropped['val']} val")
+    if any(truncated.values()):
+        parts.append(f"truncated {truncated['train']} train, {truncated['val']} val")
+    if meta.get("bad_records"):
+        parts.append(f"bad_records {meta['bad_records']} (first: "
+                     f"{meta['bad_record_examples'][0]})")
+    return "; ".join(parts)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
+from trainer.data.cache_files import reserve
 from trainer.data.chat import IGNORE
 
 Doc = tuple[np.ndarray, np.ndarray]  # token ids [n], supervised [n] (whether to learn token i)
@@ -123,12 +124,17 @@ def bin_window(docs: Sequence[Doc], seq_len: int, pad_id: int) -> Window:
 
 
 def write_windows(folder: str, windows: Iterable[Window], num_windows: int,
-                  seq_len: int) -> None:
-    """The windows as memory-mappable .npy files, and per window (supervised, real) counts."""
+                  seq_len: int, cache_dir: str) -> None:
+    """The windows as memory-mappable .npy files, and per window (supervised, real) counts.
+    Each file's room is reserved before it is mapped: a full `cache_dir` is then one error
+    (CacheFull) rather than SIGBUS while the map is written."""
     os.makedirs(folder, exist_ok=True)
-    arrays = {name: np.lib.format.open_memmap(os.path.join(folder, f"{name}.npy"), mode="w+",
-                                               dtype=np.int32, shape=(num_windows, seq_len))
-              for name in FILES[:3]}
+    arrays = {}
+    for name in FILES[:3]:
+        path = os.path.join(folder, f"{name}.npy")
+        arrays[name] = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32,
+                                                 shape=(num_windows, seq_len))
+        reserve(path, os.path.getsize(path), cache_dir)
     counts = np.zeros((num_windows, 2), dtype=np.int64)
     written = 0
     for k, (window, real) in enumerate(windows):
@@ -152,6 +158,7 @@ class PackedWindows:
             np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r") for name in FILES[:3])
         self.counts = np.load(os.path.join(folder, "counts.npy"))
         self.num_windows, self.seq_len = self.inputs.shape
+        self.identity: Optional[dict] = None  # what a checkpoint records (documents.py sets it)
 
     def __len__(self) -> int:
         return self.num_windows

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainer.data.chat import ChatError, check_template
+from trainer.data.errors import DataError
 from trainer.data.formats import FormatError, check_field_names
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -30,10 +31,7 @@ class DocSettings:
     split: str = "train"
     val_fraction: float = 0.01
     format: str = "auto"  # chat: the record shape (trainer/data/formats.py)
-
-
-class DataError(ValueError):
-    """Data that cannot be used; the message starts with the setting to change."""
+    skip_bad_records: bool = False  # leave out (and count) records that cannot be read
 
 
 def data_files(path: str) -> list[str]:
@@ -57,8 +55,10 @@ def is_saved_dataset(path: str) -> bool:
                                        for m in SAVED_MARKERS)
 
 
-def open_documents(path: str, split: str, streaming: bool = False):
-    """A `datasets` Dataset (IterableDataset when streaming) of the records at `path`."""
+def open_documents(path: str, split: str, streaming: bool = False,
+                   files: Optional[list[str]] = None, key: str = "data.path"):
+    """A `datasets` Dataset (IterableDataset when streaming) of the records at `path` (read
+    from `files` when given: the checked copies trainer/data/records.py makes)."""
     import datasets
 
     if is_saved_dataset(path):
@@ -68,18 +68,26 @@ def open_documents(path: str, split: str, streaming: bool = False):
                 raise DataError(f"data.split: {path} has splits {', '.join(loaded)}, not {split!r}")
             loaded = loaded[split]
         return loaded.to_iterable_dataset() if streaming else loaded
-    files = data_files(path)
+    files = files or data_files(path)
     if files:
         builder = BUILDERS[os.path.splitext(files[0])[1]]
-        return datasets.load_dataset(builder, data_files=files, split="train",
-                                     streaming=streaming)
+        try:
+            return datasets.load_dataset(builder, data_files=files, split="train",
+                                         streaming=streaming)
+        except Exception as exc:  # pyarrow's and datasets' many types: the files are the cause
+            raise DataError(f"{key}: cannot read {path} ({_root_cause(exc)})") from None
     if os.path.exists(path) or path.startswith((".", "/", "~")):
-        raise DataError(f"data.path: {path} holds no .jsonl, .json or .parquet file")
-    try:  # a dataset name: needs the hub (or its local cache)
-        return datasets.load_dataset(path, split=split, streaming=streaming)
-    except Exception as exc:
-        raise DataError(f"data.path: {path!r} is neither a file, a folder nor a dataset the hub "
-                        f"could give ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        raise DataError(f"{key}: {path} holds no .jsonl, .json or .parquet file")
+    from trainer.data.hub import load_named
+
+    return load_named(path, split, streaming, key)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error's first line: `datasets` wraps the parser's in its own."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
 def load_tokenizer(name: Optional[str], kind: str):
@@ -88,11 +96,18 @@ def load_tokenizer(name: Optional[str], kind: str):
                         "set data.tokenizer=<folder or name> (model=hf uses model.path)")
     from transformers import AutoTokenizer
 
+    offline = None
+    if not os.path.exists(name) and not name.startswith((".", "/", "~")):  # a hub name: local
+        # cache only when the hub is out of reach (else each request retries for many seconds)
+        from trainer.data.hub import offline_reason
+
+        offline = offline_reason()
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as exc:
         raise DataError(f"data.tokenizer: cannot load a tokenizer from {name} "
-                        f"({str(exc).splitlines()[0][:200]})") from None
+                        + (f"({offline}, and it is not in the local cache: " if offline else "(")
+                        + f"{str(exc).splitlines()[0][:200]})") from None
     if kind == "chat":
         try:
             check_template(tokenizer, name)
@@ -101,46 +116,48 @@ def load_tokenizer(name: Optional[str], kind: str):
     return tokenizer
 
 
-def first_record_fields(path: str, split: str) -> Optional[list[str]]:
+def first_record_fields(path: str, split: str,
+                        key: str = "data.path") -> Optional[list[str]]:
     """The fields of the first record, read cheaply (one jsonl line, a parquet schema, a saved
-    dataset's features); None for a dataset name (the hub is asked only when the run starts)."""
+    dataset's features); None for a dataset name (the hub is asked only when the run starts).
+    Every parquet file's footer is read, so one bad file among good ones is named here."""
     if is_saved_dataset(path):
         return list(open_documents(path, split).column_names)
     files = data_files(path)
     if not files:
         if os.path.exists(path) or path.startswith((".", "/", "~")):
-            raise DataError(f"data.path: {path} holds no .jsonl, .json or .parquet file"
-                            if os.path.exists(path) else f"data.path: no such file: {path}")
+            raise DataError(f"{key}: {path} holds no .jsonl, .json or .parquet file"
+                            if os.path.exists(path) else f"{key}: no such file: {path}")
         return None
     first = files[0]
     if first.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
+        from trainer.data.records import check_parquet
 
-            return list(pq.read_schema(first).names)
-        except Exception as exc:
-            raise DataError(f"data.path: {first} is not a readable parquet file "
-                            f"({str(exc).splitlines()[0][:200]})") from None
-    return _jsonl_fields(first)
+        for other in files:
+            check_parquet(other, key)
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(first).names)
+    return _jsonl_fields(first, key)
 
 
-def _jsonl_fields(path: str) -> list[str]:
+def _jsonl_fields(path: str, key: str) -> list[str]:
     import json
 
     try:
         with open(path, encoding="utf-8") as f:
             line = next((line for line in f if line.strip()), None)
     except UnicodeDecodeError as exc:
-        raise DataError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte "
+        raise DataError(f"{key}: {path} is not UTF-8 text ({exc.reason} at byte "
                         f"{exc.start})") from None
     if line is None:
-        raise DataError(f"data.path: {path} is empty")
+        raise DataError(f"{key}: {path} is empty")
     try:
         record = json.loads(line)
     except ValueError as exc:
-        raise DataError(f"data.path: {path}: the first line is not JSON ({exc})") from None
+        raise DataError(f"{key}: {path}: the first line is not JSON ({exc})") from None
     if not isinstance(record, dict):
-        raise DataError(f"data.path: {path}: a record must be a JSON object")
+        raise DataError(f"{key}: {path}: a record must be a JSON object")
     return list(record)
 
 
@@ -161,4 +178,4 @@ def document_settings(d) -> DocSettings:
     """The DocSettings of a DataConfig (data=text / chat)."""
     return DocSettings(d.source, d.seq_len, d.packing, d.text_field, d.messages_field,
                        d.prompt_field, d.completion_field, d.train_on, d.overlong, d.split,
-                       d.val_fraction, d.format)
+                       d.val_fraction, d.format, d.skip_bad_records)

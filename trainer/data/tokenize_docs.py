@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import time
 from typing import Optional
@@ -15,7 +16,9 @@ from trainer.data.chat import ChatError, chat_tokens
 from trainer.data.formats import FormatError, conversation, record_name
 from trainer.data.packing import (best_fit_bins, bin_window, concat_count, concat_windows,
                                   fit_length, write_windows)
-from trainer.data.sources import DataError, DocSettings, check_fields, open_documents
+from trainer.data.records import BadRecords, checked_files
+from trainer.data.sources import (DataError, DocSettings, check_fields, data_files,
+                                  is_saved_dataset, open_documents)
 
 log = logging.getLogger("trainer")
 SPLIT_SEED = 0  # which documents are held out for validation: fixed, so train.seed can change
@@ -53,7 +56,7 @@ def _text_batch(tokenizer, settings: DocSettings, eos: int):
     return encode
 
 
-def _chat_batch(tokenizer, settings: DocSettings, path: str):
+def _chat_batch(tokenizer, settings: DocSettings, path: str, bad: BadRecords):
     def encode(batch: dict, indices: list[int]) -> dict:
         records = [dict(zip(batch, values)) for values in zip(*batch.values())]
         ids, sup = [], []
@@ -64,19 +67,34 @@ def _chat_batch(tokenizer, settings: DocSettings, path: str):
                                         settings.prompt_field, settings.completion_field, where)
                 tokens, supervised = chat_tokens(tokenizer, messages, settings.train_on, where)
             except (ChatError, FormatError) as exc:
-                raise DataError(str(exc)) from None
+                if not settings.skip_bad_records:
+                    raise DataError(str(exc)) from None
+                bad.add(where, str(exc))
+                tokens, supervised = [], []
+            except Exception as exc:  # the template itself raised (jinja2, raise_exception)
+                why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                if not settings.skip_bad_records:
+                    raise DataError(f"data.tokenizer: its chat template fails on {where} "
+                                    f"({why}); fix the record, or set "
+                                    "data.skip_bad_records=true to skip such records "
+                                    "(counted)") from None
+                bad.add(where, why)
+                tokens, supervised = [], []
             ids.append(tokens)
             sup.append(supervised)
         return {"ids": ids, "sup": sup}
     return encode
 
 
-def tokenize(records, tokenizer, settings: DocSettings, progress: _Progress, path: str):
+def tokenize(records, tokenizer, settings: DocSettings, progress: _Progress, path: str,
+             bad: Optional[BadRecords] = None):
     """The records as documents: `ids`, `sup` (supervised per token) and `length` columns;
-    `path` names a bad record's source."""
+    `path` names a bad record's source; skipped bad records (data.skip_bad_records) are
+    counted in `bad` and come out empty."""
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     text = _text_batch(tokenizer, settings, eos) if settings.kind == "text" else None
-    chat = _chat_batch(tokenizer, settings, path) if settings.kind == "chat" else None
+    chat = (_chat_batch(tokenizer, settings, path, bad if bad is not None else BadRecords())
+            if settings.kind == "chat" else None)
 
     def encode_and_count(batch: dict, indices: list[int]) -> dict:
         out = text(batch) if text is not None else chat(batch, indices)
@@ -89,11 +107,47 @@ def tokenize(records, tokenizer, settings: DocSettings, progress: _Progress, pat
                        keep_in_memory=False)
 
 
-def _usable(docs, settings: DocSettings):
-    """Documents worth a window: two tokens or more, and (chat) some token to learn."""
+def _usable(docs, settings: DocSettings, bad_here: int):
+    """Documents worth a window: two tokens or more, and (chat) some token to learn; and why
+    the others are not (`bad_here`: this split's skipped bad records, which come out empty)."""
     if settings.kind == "chat":
-        return docs.filter(lambda d: d["length"] >= 2 and any(d["sup"][1:]))
-    return docs.filter(lambda d: d["length"] >= 2)
+        kept = docs.filter(lambda d: d["length"] >= 2 and any(d["sup"][1:]))
+    else:
+        kept = docs.filter(lambda d: d["length"] >= 2)
+    short = sum(1 for n in docs["length"] if n < 2) - bad_here
+    return kept, {"under_two_tokens": short, "bad_records": bad_here,
+                  "no_assistant_turn": len(docs) - len(kept) - short - bad_here}
+
+
+def _nothing_usable(where: str, key: str, split: str, total: int, why: dict,
+                    settings: DocSettings) -> DataError:
+    if settings.kind == "chat" and total and why["no_assistant_turn"] == total:
+        return DataError(f"{key}: none of the {total} records in {where} has an assistant turn "
+                         f"to learn (data.train_on={settings.train_on}): a record needs a turn "
+                         "whose role is assistant (ShareGPT: from gpt; Alpaca: output)")
+    reasons = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in why.items() if n)
+    return DataError(f"{key}: no usable {split} documents in {where} ({total} records"
+                     + (f": {reasons}" if reasons else "") + "; each needs two tokens or more"
+                     + (", and an assistant turn" if settings.kind == "chat" else "") + ")")
+
+
+def _tokenized_split(where: str, key: str, tokenizer, settings: DocSettings, clean: str,
+                     bad: BadRecords):
+    """One split's records, checked (trainer/data/records.py) and tokenized, and how many of
+    them were bad records skipped (they come out empty; bad lines never became records)."""
+    files = None if is_saved_dataset(where) else data_files(where)
+    if files:
+        files = checked_files(files, key, settings.skip_bad_records, clean, bad)
+    records = open_documents(where, settings.split, files=files, key=key)
+    check_fields(list(records.column_names or []), settings, where)
+    progress, before = _Progress(len(records)), bad.count
+    try:
+        return tokenize(records, tokenizer, settings, progress, where, bad), bad.count - before
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{key}: {where} is not UTF-8 text ({exc.reason} at byte "
+                        f"{exc.start})") from None
+    finally:
+        progress.close()
 
 
 def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
@@ -103,39 +157,31 @@ def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
 
     datasets.disable_progress_bars()  # ours says documents and tokens/s
     started = time.perf_counter()
-    sources = {"train": open_documents(path, settings.split)}
+    places = {"train": (path, "data.path")}
     if val_path:
-        sources["val"] = open_documents(val_path, settings.split)
-    docs, raw = {}, 0
-    for split, records in sources.items():
-        check_fields(list(records.column_names or []), settings,
-                     path if split == "train" else val_path)
-        progress = _Progress(len(records))
-        try:
-            tokenized = tokenize(records, tokenizer, settings, progress,
-                                 path if split == "train" else val_path)
-        except UnicodeDecodeError as exc:
-            raise DataError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte "
-                            f"{exc.start})") from None
-        finally:
-            progress.close()
+        places["val"] = (val_path, "data.val_path")
+    docs, raw, why, bad = {}, 0, {}, BadRecords()
+    clean = os.path.join(work, "clean")  # good lines of jsonl files with bad ones, if skipping
+    for split, (where, key) in places.items():
+        tokenized, bad_here = _tokenized_split(where, key, tokenizer, settings, clean, bad)
         raw += len(tokenized)
-        docs[split] = _usable(tokenized, settings)
+        docs[split], why[split] = _usable(tokenized, settings, bad_here)
+        if len(docs[split]) == 0:
+            raise _nothing_usable(where, key, split, len(tokenized), why[split], settings)
     if "val" not in docs:
         docs["train"], docs["val"] = _hold_out(docs["train"], settings.val_fraction)
     tokenize_s = time.perf_counter() - started
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
         tokenizer.eos_token_id or 0)
     meta = {"documents": raw, "skipped": raw - len(docs["train"]) - len(docs["val"]),
+            "skipped_why": {k: sum(w[k] for w in why.values()) for k in why["train"]},
+            "bad_records": bad.count, "bad_record_examples": bad.examples,
             "tokens": int(sum(docs["train"]["length"]) + sum(docs["val"]["length"])),
             "tokenize_s": tokenize_s, "settings": settings.__dict__}
     for split in ("train", "val"):
-        if len(docs[split]) == 0:
-            raise DataError(f"data.path: no usable {split} documents in {path} (each needs two "
-                            "tokens or more" + (", and an assistant turn" if settings.kind ==
-                                                "chat" else "") + ")")
         meta[split] = pack_split(os.path.join(work, split), docs[split], settings.seq_len, pad,
-                                 settings)
+                                 settings, places.get(split, places["train"])[1])
+    shutil.rmtree(clean, ignore_errors=True)
     meta["seconds"] = time.perf_counter() - started
     return meta
 
@@ -152,8 +198,10 @@ def _hold_out(docs, fraction: float):
     return docs.select(keep), docs.select(held)
 
 
-def pack_split(folder: str, docs, seq_len: int, pad_id: int, settings: DocSettings) -> dict:
-    """Pack one split's tokenized documents (columns ids, sup) into `folder`."""
+def pack_split(folder: str, docs, seq_len: int, pad_id: int, settings: DocSettings,
+               key: str = "data.path") -> dict:
+    """Pack one split's tokenized documents (columns ids, sup) into `folder` (`key`: the
+    setting that names where they came from)."""
     lengths = np.asarray(docs["length"], dtype=np.int64) - 1  # training positions per doc
     if settings.kind == "text" and settings.packing:
         num = concat_count(lengths + 1, seq_len)
@@ -167,12 +215,19 @@ def pack_split(folder: str, docs, seq_len: int, pad_id: int, settings: DocSettin
                 else [[i] for i, k in enumerate(kept) if k > 0])
         num = len(bins)
         windows = (bin_window(_docs_at(docs, b), seq_len, pad_id) for b in bins)
-    write_windows(folder, windows, num, seq_len)
+    split = os.path.basename(folder)
+    if num == 0:
+        raise DataError(f"data.overlong: all {dropped} {split} documents of {key} are longer "
+                        f"than data.seq_len={seq_len} and data.overlong=drop drops them; raise "
+                        "data.seq_len or set data.overlong=truncate")
+    write_windows(folder, windows, num, seq_len, os.path.dirname(os.path.dirname(folder)))
     counts = np.load(os.path.join(folder, "counts.npy"))
     supervised = int(counts[:, 0].sum())
+    top = max(int(np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r").max())
+              for name in ("inputs", "targets"))
     return {"windows": num, "supervised": supervised, "real_tokens": int(counts[:, 1].sum()),
             "efficiency": supervised / max(1, num * seq_len), "truncated": int(truncated),
-            "dropped_overlong": int(dropped)}
+            "dropped_overlong": int(dropped), "max_id": top}
 
 
 def _iter_docs(docs, batch: int = 1000):

@@ -209,8 +209,19 @@ def build_hf_on_meta(hf_config: Any, path: Optional[str],
 
     config = _hf_config(hf_config, path)
     config._attn_implementation = attn_implementation
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        if "attention implementation" not in str(exc) and "attn_implementation" not in str(exc):
+            raise
+        # transformers' text is a paragraph that names from_pretrained's argument, not ours.
+        from trainer.config import ConfigError
+
+        said = str(exc).split(". ")[0].strip()
+        raise ConfigError("model.attn_implementation", f"{attn_implementation}: transformers "
+                          f"says: {said}; set model.attn_implementation=eager (or another "
+                          "the model supports)") from None
     return HFCausalLM(model, checkpoint=path)
 
 

@@ -53,6 +53,7 @@ class RunRecord:
     layout: Layout
     cfg: Config
     run_dir: str
+    data: Optional[Data] = None  # records the identity of what it reads
 
     def state(self, progress: Progress, scheduler) -> dict[str, Any]:
         """Everything but model and optimizer that a checkpoint holds (JSON)."""
@@ -66,7 +67,8 @@ class RunRecord:
                 "global_batch_size": self.layout.global_batch_size,
                 "sequence": self.layout.sequence,
                 "seq_len": self.cfg.data.seq_len, "data_seed": self.cfg.train.seed,
-                "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg)}
+                "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg),
+                "data": None if self.data is None else self.data.record()}
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -78,15 +80,38 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+DATA_CHANGES = "data_changes.json"  # in the run directory: every change of data gone on with
+
+
+def _record_change(run_dir: str, progress: Progress, note: str, saved: Optional[dict],
+                   now: Optional[dict]) -> None:
+    """Append this change to the run directory's DATA_CHANGES (a JSON list)."""
+    import json
+    import time
+
+    from trainer.state.checkpoint import write_atomic
+
+    path = os.path.join(run_dir, DATA_CHANGES)
+    events = []
+    if os.path.exists(path):
+        with open(path) as f:
+            events = json.load(f)
+    events.append({"step": progress.step, "batch_index": progress.batch_index,
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "change": note,
+                   "before": (saved or {}).get("identity"), "after": (now or {}).get("identity")})
+    write_atomic(path, json.dumps(events, indent=1) + "\n")
+
+
 def restore(loaded: Loaded, scheduler) -> Progress:
     scheduler.load_state_dict(loaded.state["scheduler"])
     return Progress(**loaded.state["progress"])
 
 
 def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: Config,
-           rank: int, data: Data) -> Optional[tuple[Progress, str]]:
+           rank: int, data: Data, run_dir: str) -> Optional[tuple[Progress, str]]:
     """Load the newest intact checkpoint, if any: (progress, one line saying what happened).
-    The data refuses a checkpoint it cannot continue from."""
+    The data refuses a checkpoint it cannot continue from, and data other than what the
+    checkpoint was trained on unless data.on_change says to go on (written to DATA_CHANGES)."""
     loaded = checkpointer.load_latest(model.model, model.optimizer, refuse_if_all_damaged=True)
     if loaded is None:
         return None
@@ -94,6 +119,12 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
     data.check_resume(state["world_size"], state["global_batch_size"], state.get("sequence", 1))
     progress = restore(loaded, model.scheduler)
     notes = [f"resumed from {loaded.path} (step {progress.step}, batch {progress.batch_index})"]
+    changed_data = data.continue_from(state.get("data"), cfg.data.on_change,
+                                      progress.batch_index, progress.step)
+    if changed_data is not None:
+        notes.append(changed_data)
+        if rank == 0:
+            _record_change(run_dir, progress, changed_data, state.get("data"), data.record())
     if not loaded.rng_restored:
         # Deterministic, but not what an uninterrupted run would have drawn.
         torch.manual_seed(cfg.train.seed + rank + 1_000_003 * progress.step)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 class HFCausalLM(LanguageModel):
     arch = "hf"
-    vocab_key = "model.hf_config"
+    vocab_key = "model.hf_config.vocab_size"
 
     def validate(self, m: ModelConfig) -> None:
         check_hf_source(m)
