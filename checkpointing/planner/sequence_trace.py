@@ -72,7 +72,8 @@ class MetaUlysses:
             k, v = (t.repeat_interleave(repeats, dim=HEADS) for t in (k, v))
         # A mask made for the slice does not fit whole sequences; the real wrap passes the
         # whole-sequence one, whose bytes the block's inputs already hold. Here: causal.
-        options.pop("attention_mask", None)
+        if "attention_mask" in options:  # HF's: None is causal over what attention sees
+            options["attention_mask"] = None
         options.pop("position_ids", None)  # the slice's, as the real HF wrap drops them
         if options.get("mask") is not None:
             raise ValueError("the meta trace of sequence parallelism takes unpacked rows "
