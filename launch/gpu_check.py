@@ -84,7 +84,7 @@ GPU_BUDGET_S = 560.0
 CPU_SMOKE = Mode("cpu", TINY, "64", steps=3, warmup=1, parity_seq=32,
                  caps={"env": 120, "cuda_tests": 120, "parity": 240, "fit": 120, "bench": 400,
                        "torchtitan": 30, "predict": 120}, row_cap=120,
-                 extra=["train.compile_backend=aot_eager"], long_max=512)
+                 extra=["train.compile_backend=aot_eager"], long_max=2048)
 
 
 class Check:

@@ -6,6 +6,7 @@ comparison would fail without the modelling."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -28,6 +29,13 @@ from trainer.task import task_for
 # Long enough rows that the MLP's [tokens, ffn] intermediates set the block's backward peak.
 LONG = TINY + ["data.seq_len=512", "train.micro_batch_size=2", "model.ffn_hidden=1024",
                "checkpointing=full"]
+# The same shapes as an HF Llama (its attention through transformers' registry).
+HF_LONG = [o for o in LONG if not o.startswith("model.")] + [
+    "model.dropout=0", "model=hf",
+    "model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 128, "
+    "intermediate_size: 1024, num_hidden_layers: 4, num_attention_heads: 4, "
+    "num_key_value_heads: 2, max_position_embeddings: 512}"]
+MODELS = {"llama": LONG, "hf": HF_LONG}
 
 
 def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict:
@@ -64,26 +72,29 @@ def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict
     return {"peak": live.peak, "plan": [p.recompute for p in built.plan]}
 
 
-def test_tiled_mlp_prediction_matches_a_real_cpu_step(world_of_one) -> None:
-    overrides = LONG + ["checkpointing.tiles=4"]
+@pytest.mark.parametrize("model", MODELS)
+def test_tiled_mlp_prediction_matches_a_real_cpu_step(world_of_one, model) -> None:
+    overrides = MODELS[model] + ["checkpointing.tiles=4"]
     measured = _measured(overrides, world=1, tiles=4, degree=1)
     predicted = _predicted(overrides, measured["plan"])
     _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
-                  f"tiles=4 peak ({predicted.peak.name})")
-    untiled = _predicted(LONG, measured["plan"])
+                  f"{model} tiles=4 peak ({predicted.peak.name})")
+    untiled = _predicted(MODELS[model], measured["plan"])
     assert untiled.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
 
 
-def _sequence_step(rank: int, world_size: int, overrides: list[str]) -> dict:
-    return _measured(overrides, world=world_size, tiles=1, degree=2)
+def _sequence_steps(rank: int, world_size: int) -> dict:
+    return {model: _measured(overrides + ["sharding.sequence=2"], world=world_size, tiles=1,
+                             degree=2) for model, overrides in MODELS.items()}
 
 
 def test_sequence_degree_prediction_matches_two_real_cpu_ranks() -> None:
-    overrides = LONG + ["sharding.sequence=2"]
-    results = spawn(_sequence_step, 2, overrides)
-    predicted = _predicted(overrides, results[0]["plan"], world=2)
-    for result in results:
-        _assert_close(predicted.peak.total, result["peak"], PEAK_TOLERANCE,
-                      f"sequence=2 peak ({predicted.peak.name})")
-    alone = _predicted(LONG, results[0]["plan"], world=2)
-    assert alone.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
+    results = spawn(_sequence_steps, 2)  # one spawn, both models
+    for model, overrides in MODELS.items():
+        plan = results[0][model]["plan"]
+        predicted = _predicted(overrides + ["sharding.sequence=2"], plan, world=2)
+        for result in results:
+            _assert_close(predicted.peak.total, result[model]["peak"], PEAK_TOLERANCE,
+                          f"{model} sequence=2 peak ({predicted.peak.name})")
+        alone = _predicted(overrides, plan, world=2)
+        assert alone.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)

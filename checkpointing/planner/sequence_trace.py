@@ -72,14 +72,16 @@ class MetaUlysses:
             k, v = (t.repeat_interleave(repeats, dim=HEADS) for t in (k, v))
         # A mask made for the slice does not fit whole sequences; the real wrap passes the
         # whole-sequence one, whose bytes the block's inputs already hold. Here: causal.
-        options.pop("attention_mask", None)
+        if "attention_mask" in options:  # HF's: None is causal over what attention sees
+            options["attention_mask"] = None
         options.pop("position_ids", None)  # the slice's, as the real HF wrap drops them
         if options.get("mask") is not None:
             raise ValueError("the meta trace of sequence parallelism takes unpacked rows "
                              "(a document mask is built for the whole sequence at run time)")
         q, k, v = self._to_heads(q, k, v)
         out = attend(q, k, v, **options)
-        # HF attention functions answer [B, T, H/N, D]; the built-in ones [B, H/N, T, D].
+        # Attention hooks answer [B, H/N, T, D] (HF's too, trainer/models/hf.py's attend);
+        # a raw HF attention function's [B, T, H/N, D] is taken as well.
         seq_dim, heads_dim = (SEQ, HEADS) if out.shape[SEQ] == q.shape[SEQ] else (1, 2)
         if (seq_dim, heads_dim) == (1, 2) and out.shape[1] != q.shape[SEQ]:
             raise ValueError(f"attention output {tuple(out.shape)} is in no layout known")
