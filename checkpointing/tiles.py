@@ -170,18 +170,18 @@ def tile_module(module: nn.Module, num_tiles: int, dim: int = 1) -> nn.Module:
     return module
 
 
-def apply_tiles(mlps: Sequence[Optional[nn.Module]], plan: Sequence) -> int:
-    """Carry out the plan's `tiles`: block i's token-wise MLP `mlps[i]` (its family finds it)
-    computes in plan[i].tiles sequence tiles. Before the block's checkpoint wrapper and
-    fully_shard, so its recompute and FSDP's unshard window hold the tiles inside. Returns the
-    MLPs tiled."""
+def apply_tiles(blocks: Sequence[nn.Module], plan: Sequence,
+                tile_block: Callable[[nn.Module, int], bool]) -> int:
+    """Carry out the plan's `tiles`: block i computes its token-wise parts in plan[i].tiles
+    sequence tiles, by `tile_block(block, tiles)` (its family's: which parts, False for none).
+    Before the block's checkpoint wrapper and fully_shard, so its recompute and FSDP's unshard
+    window hold the tiles inside. Returns the blocks tiled."""
     tiled_count = 0
-    for mlp, block_plan in zip(mlps, plan, strict=True):
+    for block, block_plan in zip(blocks, plan, strict=True):
         if block_plan.tiles == 1:
             continue
-        if mlp is None:
+        if not tile_block(block, block_plan.tiles):
             raise ValueError(f"checkpointing.tiles: block {block_plan.name} has no token-wise "
                              "MLP to tile; set checkpointing.tiles=1")
-        tile_module(mlp, block_plan.tiles)
         tiled_count += 1
     return tiled_count
