@@ -55,9 +55,12 @@ class _Tiled(torch.autograd.Function):
         out: Optional[torch.Tensor] = None
         states = []
         offset = 0
+        # A view of a leaf that requires grad still says so without autograd; module hooks
+        # inside fn (FlopCounterMode's tracker) would try to hook its gradient.
+        source = x.detach()
         for size in sizes:
             states.append(_rng_state(x.device))
-            piece = fn(x.narrow(dim, offset, size))
+            piece = fn(source.narrow(dim, offset, size))
             if len(sizes) == 1:
                 out = piece
                 break
@@ -159,15 +162,22 @@ def tile_module(module: nn.Module, num_tiles: int, dim: int = 1) -> nn.Module:
     the module tree and parameter names stay as written (checkpoints still map by name).
     num_tiles=1 leaves the module as it is. Returns the module.
     """
+    mark_tiled(module, num_tiles)
+    if num_tiles > 1:
+        module.forward = functools.partial(_tiled_forward, module, module.forward, num_tiles,
+                                           dim)
+    return module
+
+
+def mark_tiled(module: nn.Module, num_tiles: int) -> None:
+    """Say that `module` runs inside sequence tiles of `num_tiles` (tile_module, or a model
+    that calls `tiled` itself): the planner's trace counts its FLOPs as the tiles' recompute.
+    Refuses a module marked already."""
     if num_tiles < 1:
         raise ValueError(f"tiles must be >= 1, got {num_tiles}")
     if getattr(module, "_blocktrain_tiles", None) is not None:
         raise RuntimeError(f"module already tiled ({module._blocktrain_tiles} tiles)")
-    if num_tiles > 1:
-        module.forward = functools.partial(_tiled_forward, module, module.forward, num_tiles,
-                                           dim)
     module._blocktrain_tiles = num_tiles
-    return module
 
 
 def apply_tiles(blocks: Sequence[nn.Module], plan: Sequence,

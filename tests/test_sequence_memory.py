@@ -6,11 +6,11 @@ comparison would fail without the modelling."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from checkpointing.meter import SavedBytesMeter
-from checkpointing.tiles import tile_module
 from tests.dist import spawn
 from tests.test_report import (PEAK_TOLERANCE, TINY, _assert_close, _predicted, _random_batch,
                                world_of_one)  # noqa: F401 (a fixture)
@@ -38,10 +38,11 @@ def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict
     meter = SavedBytesMeter()
     built = build_model(cfg, denv, layout.replicate, meter)
     family = family_of(cfg.model)
-    if tiles > 1:
-        for mlp in family.mlp_modules(built.model):
-            if getattr(mlp, "_blocktrain_tiles", None) is None:
-                tile_module(mlp, tiles)
+    tiled = sum(getattr(m, "_blocktrain_tiles", 1) > 1 for m in built.model.modules())
+    if tiles > 1 and not tiled:  # as the build does
+        for _, block in family.blocks(built.model, cfg.model.block_pattern):
+            family.tile_block(block, tiles)
+        family.tile_head(built.model, tiles)
     if degree > 1 and getattr(built.model, "sequence_group", None) is None:
         family.sequence_parallel(built.model, dist.group.WORLD)
     optimizer = build_optimizer(built.model, cfg.optim)
@@ -64,13 +65,21 @@ def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict
     return {"peak": live.peak, "plan": [p.recompute for p in built.plan]}
 
 
-def test_tiled_mlp_prediction_matches_a_real_cpu_step(world_of_one) -> None:
-    overrides = LONG + ["checkpointing.tiles=4"]
+# A narrow MLP and the chunked head: the peak is then the block's other token-wise work (the
+# norms' fp32 copies, q/k/v, their gradients) and the final norm's, which the built-in Llama
+# tiles too (Block.tile, Llama.tile_head).
+NARROW = [*LONG[:-2], "model.ffn_hidden=64", "checkpointing=full", "checkpointing.head=chunked",
+          "checkpointing.head_chunk_tokens=128"]
+
+
+@pytest.mark.parametrize("base", [LONG, NARROW], ids=["mlp", "norms-qkv-head"])
+def test_tiled_block_prediction_matches_a_real_cpu_step(world_of_one, base) -> None:
+    overrides = base + ["checkpointing.tiles=4"]
     measured = _measured(overrides, world=1, tiles=4, degree=1)
     predicted = _predicted(overrides, measured["plan"])
     _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
                   f"tiles=4 peak ({predicted.peak.name})")
-    untiled = _predicted(LONG, measured["plan"])
+    untiled = _predicted(base, measured["plan"])
     assert untiled.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing.head import summed_head_loss
-from checkpointing.tiles import tiled
+from checkpointing.tiles import mark_tiled, tiled
 from trainer.models.doc_attention import (DocumentMask, check_positions, choose_backend,
                                     document_mask, masked_attention)
 from trainer.models.sequence_parallel import group_place, whole_positions
@@ -171,29 +171,28 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
         self.residual_dropout = nn.Dropout(args.dropout)
-        self._blocktrain_tiles = 1  # the name tile_module marks a tiled module with
+        self.tiles = 1  # sequence tiles of the token-wise parts (tile)
 
     def tile(self, num_tiles: int) -> Block:
         """Compute the token-wise parts in `num_tiles` sequence tiles from now on (1: as
         written). Once per block, before the checkpoint wrapper and fully_shard, so the
         recompute and FSDP's unshard window hold the tiles inside. Parameter names unchanged."""
-        if num_tiles < 1:
-            raise ValueError(f"tiles must be >= 1, got {num_tiles}")
-        if self._blocktrain_tiles != 1:
-            raise RuntimeError(f"block already tiled ({self._blocktrain_tiles} tiles)")
-        self._blocktrain_tiles = num_tiles
+        for module in (self.attention_norm, self.attention.wq, self.attention.wk,
+                       self.attention.wv, self.ffn_norm, self.feed_forward):
+            mark_tiled(module, num_tiles)  # refuses a second time
+        self.tiles = num_tiles
         return self
 
     def forward(self, x: torch.Tensor, rope: Rope,
                 mask: DocumentMask | None = None) -> torch.Tensor:
-        if self._blocktrain_tiles > 1:
+        if self.tiles > 1:
             return self._tiled_forward(x, rope, mask)
         h = x + self.residual_dropout(self.attention(self.attention_norm(x), rope, mask))
         return h + self.residual_dropout(self.feed_forward(self.ffn_norm(h)))
 
     def _tiled_forward(self, x: torch.Tensor, rope: Rope,
                        mask: DocumentMask | None) -> torch.Tensor:
-        n = self._blocktrain_tiles
+        n = self.tiles
         # The parameters read at every call: FSDP2 swaps in the unsharded ones for the forward.
         qkv = tiled(self._attention_inputs, x, n,
                     _trained(self.attention_norm, self.attention.wq, self.attention.wk,
@@ -239,8 +238,7 @@ class Llama(nn.Module):
     def tile_head(self, num_tiles: int) -> None:
         """The final norm computes in `num_tiles` sequence tiles (checkpointing/tiles.py) from
         now on, so its fp32 copies exist for one tile of tokens at a time."""
-        if num_tiles < 1:
-            raise ValueError(f"tiles must be >= 1, got {num_tiles}")
+        mark_tiled(self.norm, num_tiles)
         self.head_tiles = num_tiles
 
     def _head_norm(self, hidden: torch.Tensor) -> torch.Tensor:
