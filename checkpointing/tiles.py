@@ -1,5 +1,6 @@
-"""Sequence tiles: a token-wise module (an MLP) computed over slices of the sequence, forward and
-backward, so that its [tokens, hidden] intermediates never exist for every token at once.
+"""Sequence tiles: a token-wise function (an MLP; the built-in Llama's norm + projections, its
+final norm) computed over slices of the sequence, forward and backward, so that its [tokens,
+hidden] intermediates never exist for every token at once.
 
 Forward runs the module tile by tile without autograd and keeps only its input. Backward
 recomputes one tile at a time under autograd, back-propagates it at once and frees it, writing

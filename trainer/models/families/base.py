@@ -185,7 +185,7 @@ class Family:
         raise NotImplementedError(f"model.arch={self.arch} has no sequence parallelism")
 
     # Sequence tiles (checkpointing.tiles, checkpointing/tiles.py).
-    tileable = False  # its blocks have a token-wise MLP that mlp_of finds
+    tileable = False  # its blocks have token-wise parts that tile_block tiles
 
     def mlp_of(self, block: nn.Module) -> Optional[nn.Module]:
         """The token-wise MLP of one block, which sequence tiles compute a slice at a time
