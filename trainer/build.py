@@ -274,7 +274,9 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     # Tiles first: the blocks' tiled forward is what the checkpoint wrapper recomputes.
     family = family_of(cfg.model)
     apply_tiles(blocks, plan, family.tile_block)
-    family.tile_head(model, max((p.tiles for p in plan), default=1))
+    head_tiles = max((p.tiles for p in plan), default=1)
+    if head_tiles > 1:
+        family.tile_head(model, head_tiles)
     # Order matters: the checkpoint wrapper, then compile (the checkpoint is traced into the
     # graph), then the offload hooks (which see what the block keeps: its inputs if it
     # recomputes, whatever the compiled backward keeps if compiled), and all of it inside
