@@ -1,5 +1,7 @@
 """Sequence tiles in numbers, without torch: how a sequence splits into tiles, and the peak bytes
-of an MLP's backward untiled and tiled, for the memory model and the report.
+of an MLP's backward untiled and tiled. The planner and the report do not use the formula: they
+trace the tiled code itself on meta (trainer/preflight/scenario.py), the built-in Llama's tiled
+norms and projections included; it stays as the MLP's closed form, held to CPU by the tests.
 
 Kept apart from checkpointing/tiles.py (which runs them) so that planning code can count tiles
 without importing torch.

@@ -1,5 +1,6 @@
-"""Sequence tiles: a token-wise module (an MLP) computed over slices of the sequence, forward and
-backward, so that its [tokens, hidden] intermediates never exist for every token at once.
+"""Sequence tiles: a token-wise function (an MLP; the built-in Llama's norm + projections, its
+final norm) computed over slices of the sequence, forward and backward, so that its [tokens,
+hidden] intermediates never exist for every token at once.
 
 Forward runs the module tile by tile without autograd and keeps only its input. Backward
 recomputes one tile at a time under autograd, back-propagates it at once and frees it, writing
@@ -55,9 +56,12 @@ class _Tiled(torch.autograd.Function):
         out: Optional[torch.Tensor] = None
         states = []
         offset = 0
+        # A view of a leaf that requires grad still says so without autograd; module hooks
+        # inside fn (FlopCounterMode's tracker) would try to hook its gradient.
+        source = x.detach()
         for size in sizes:
             states.append(_rng_state(x.device))
-            piece = fn(x.narrow(dim, offset, size))
+            piece = fn(source.narrow(dim, offset, size))
             if len(sizes) == 1:
                 out = piece
                 break
@@ -159,29 +163,36 @@ def tile_module(module: nn.Module, num_tiles: int, dim: int = 1) -> nn.Module:
     the module tree and parameter names stay as written (checkpoints still map by name).
     num_tiles=1 leaves the module as it is. Returns the module.
     """
+    mark_tiled(module, num_tiles)
+    if num_tiles > 1:
+        module.forward = functools.partial(_tiled_forward, module, module.forward, num_tiles,
+                                           dim)
+    return module
+
+
+def mark_tiled(module: nn.Module, num_tiles: int) -> None:
+    """Say that `module` runs inside sequence tiles of `num_tiles` (tile_module, or a model
+    that calls `tiled` itself): the planner's trace counts its FLOPs as the tiles' recompute.
+    Refuses a module marked already."""
     if num_tiles < 1:
         raise ValueError(f"tiles must be >= 1, got {num_tiles}")
     if getattr(module, "_blocktrain_tiles", None) is not None:
         raise RuntimeError(f"module already tiled ({module._blocktrain_tiles} tiles)")
-    if num_tiles > 1:
-        module.forward = functools.partial(_tiled_forward, module, module.forward, num_tiles,
-                                           dim)
     module._blocktrain_tiles = num_tiles
-    return module
 
 
-def apply_tiles(mlps: Sequence[Optional[nn.Module]], plan: Sequence) -> int:
-    """Carry out the plan's `tiles`: block i's token-wise MLP `mlps[i]` (its family finds it)
-    computes in plan[i].tiles sequence tiles. Before the block's checkpoint wrapper and
-    fully_shard, so its recompute and FSDP's unshard window hold the tiles inside. Returns the
-    MLPs tiled."""
+def apply_tiles(blocks: Sequence[nn.Module], plan: Sequence,
+                tile_block: Callable[[nn.Module, int], bool]) -> int:
+    """Carry out the plan's `tiles`: block i computes its token-wise parts in plan[i].tiles
+    sequence tiles, by `tile_block(block, tiles)` (its family's: which parts, False for none).
+    Before the block's checkpoint wrapper and fully_shard, so its recompute and FSDP's unshard
+    window hold the tiles inside. Returns the blocks tiled."""
     tiled_count = 0
-    for mlp, block_plan in zip(mlps, plan, strict=True):
+    for block, block_plan in zip(blocks, plan, strict=True):
         if block_plan.tiles == 1:
             continue
-        if mlp is None:
+        if not tile_block(block, block_plan.tiles):
             raise ValueError(f"checkpointing.tiles: block {block_plan.name} has no token-wise "
                              "MLP to tile; set checkpointing.tiles=1")
-        tile_module(mlp, block_plan.tiles)
         tiled_count += 1
     return tiled_count

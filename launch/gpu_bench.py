@@ -39,7 +39,7 @@ ROWS = {
     # The fused chunked loss head against the plain one (issue 26): the peak and tokens/s.
     "full + head=chunked": ["checkpointing=full", "checkpointing.head=chunked"],
     # Issue 38: the longest sequence the report says fits (fit stage's "long"), micro-batch 1,
-    # every block recomputed and its input offloaded, MLPs in tiles, the chunked head.
+    # every block recomputed and its input offloaded, in sequence tiles, the chunked head.
     LONG_ROW: ["checkpointing=full", "offload=cpu", "checkpointing.head=chunked",
                "checkpointing.tiles=16"],
     "budget": ["checkpointing=budget"],

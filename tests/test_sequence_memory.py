@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.meter import SavedBytesMeter
-from checkpointing.tiles import tile_module
 from tests.dist import spawn
 from tests.test_report import (PEAK_TOLERANCE, TINY, _assert_close, _predicted, _random_batch,
                                world_of_one)  # noqa: F401 (a fixture)
@@ -46,10 +45,11 @@ def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict
     meter = SavedBytesMeter()
     built = build_model(cfg, denv, layout.replicate, meter)
     family = family_of(cfg.model)
-    if tiles > 1:
-        for mlp in family.mlp_modules(built.model):
-            if getattr(mlp, "_blocktrain_tiles", None) is None:
-                tile_module(mlp, tiles)
+    tiled = sum(getattr(m, "_blocktrain_tiles", 1) > 1 for m in built.model.modules())
+    if tiles > 1 and not tiled:  # as the build does
+        for _, block in family.blocks(built.model, cfg.model.block_pattern):
+            family.tile_block(block, tiles)
+        family.tile_head(built.model, tiles)
     if degree > 1 and getattr(built.model, "sequence_group", None) is None:
         family.sequence_parallel(built.model, dist.group.WORLD)
     optimizer = build_optimizer(built.model, cfg.optim)
@@ -72,14 +72,25 @@ def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict
     return {"peak": live.peak, "plan": [p.recompute for p in built.plan]}
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_tiled_mlp_prediction_matches_a_real_cpu_step(world_of_one, model) -> None:
-    overrides = MODELS[model] + ["checkpointing.tiles=4"]
+# A narrow MLP and the chunked head: the peak is then the block's other token-wise work (the
+# norms' fp32 copies, q/k/v, their gradients) and the final norm's, which the built-in Llama
+# tiles too (Block.tile, Llama.tile_head).
+NARROW = [*LONG[:-2], "model.ffn_hidden=64", "checkpointing=full", "checkpointing.head=chunked",
+          "checkpointing.head_chunk_tokens=128"]
+
+
+TILED = {"llama-mlp": LONG, "hf-mlp": HF_LONG, "llama-norms-qkv-head": NARROW}
+
+
+@pytest.mark.parametrize("case", TILED)
+def test_tiled_block_prediction_matches_a_real_cpu_step(world_of_one, case) -> None:
+    base = TILED[case]
+    overrides = base + ["checkpointing.tiles=4"]
     measured = _measured(overrides, world=1, tiles=4, degree=1)
     predicted = _predicted(overrides, measured["plan"])
     _assert_close(predicted.peak.total, measured["peak"], PEAK_TOLERANCE,
-                  f"{model} tiles=4 peak ({predicted.peak.name})")
-    untiled = _predicted(MODELS[model], measured["plan"])
+                  f"{case} tiles=4 peak ({predicted.peak.name})")
+    untiled = _predicted(base, measured["plan"])
     assert untiled.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
 
 

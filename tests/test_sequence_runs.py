@@ -139,8 +139,8 @@ def _two_ranks(rank: int, world: int, work: str) -> dict:
         "hf": ([*hf, *n2, *chunked], [*hf, *n1, *chunked]),
         "hf-plain-selective": ([*hf, *n2, "checkpointing=selective"], [*hf, *n1]),
         "tiles-none": ([*dropout, *n1, "checkpointing.tiles=4"], [*dropout, *n1]),
-        "tiles-full": ([*dropout, *n1, "checkpointing=full", "checkpointing.tiles=3"],
-                       [*dropout, *n1]),
+        "tiles-full": ([*dropout, *n1, "checkpointing=full", "checkpointing.tiles=3",
+                        *chunked], [*dropout, *n1, *chunked]),
         "tiles-selective-disk": ([*dropout, *n1, "checkpointing=selective", "offload=disk",
                                   "offload.min_bytes=0", "offload.keep_last=0",
                                   "checkpointing.tiles=2"], [*dropout, *n1]),
@@ -190,7 +190,8 @@ def test_each_rank_holds_its_slice_and_the_plan_its_tiles(two_ranks) -> None:
     rank = two_ranks[0]
     assert rank["llama"]["slice"] == (1, 32)  # a 64-token window, half of it per rank
     assert rank["tiles-none"]["slice"] == (2, 64)
-    assert rank["tiles-full"]["plan"] == [3] * 4 and rank["tiles-full"]["tiled"] == 4  # tiny
+    # tiny: 4 blocks of 6 modules in tiles (both norms, wq/wk/wv, the MLP), and the final norm
+    assert rank["tiles-full"]["plan"] == [3] * 4 and rank["tiles-full"]["tiled"] == 4 * 6 + 1
     assert rank["hf-tiles-sequence"]["plan"] == [2] * 2 and rank["hf-tiles-sequence"]["tiled"] == 2
     assert rank["llama"]["plan"] == [1] * 4 and rank["llama"]["tiled"] == 0
 

@@ -271,8 +271,12 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     if cfg.checkpointing.policy not in ("budget", "auto", "file"):  # those decided offload
         plan = with_offload(plan, o.target, o.keep_last)
     plan = run_tiles(plan, cfg.checkpointing, decided is not None)
-    # Tiles first: the MLP's tiled forward is what the checkpoint wrapper recomputes.
-    apply_tiles([family_of(cfg.model).mlp_of(block) for block in blocks], plan)
+    # Tiles first: the blocks' tiled forward is what the checkpoint wrapper recomputes.
+    family = family_of(cfg.model)
+    apply_tiles(blocks, plan, family.tile_block)
+    head_tiles = max((p.tiles for p in plan), default=1)
+    if head_tiles > 1:
+        family.tile_head(model, head_tiles)
     # Order matters: the checkpoint wrapper, then compile (the checkpoint is traced into the
     # graph), then the offload hooks (which see what the block keeps: its inputs if it
     # recomputes, whatever the compiled backward keeps if compiled), and all of it inside

@@ -49,7 +49,6 @@ def block_rows(seq_len: int, tiles: list[int], repeats: int) -> dict[int, dict]:
     backward at seq_len tokens}."""
     from checkpointing.plan import BlockPlan
     from checkpointing.planner.metatrace import LiveBytes
-    from checkpointing.tiles import tile_module
     from checkpointing.wrap import apply_checkpointing
     from trainer.cli import compose
     from trainer.models.families.llama import llama_args
@@ -62,7 +61,7 @@ def block_rows(seq_len: int, tiles: list[int], repeats: int) -> dict[int, dict]:
     for n in tiles:
         torch.manual_seed(0)
         block = Block(args)
-        tile_module(block.feed_forward, n)
+        block.tile(n)  # both norms, wq/wk/wv and the MLP in n tiles
         apply_checkpointing([block], [BlockPlan(0, "block", recompute="full")], ())
 
         def step() -> float:

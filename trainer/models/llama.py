@@ -18,8 +18,6 @@ Parameter names follow Meta's reference implementation (``attention.wq``,
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing.head import summed_head_loss
+from checkpointing.tiles import mark_tiled, tiled
 from trainer.models.doc_attention import (DocumentMask, check_positions, choose_backend,
                                     document_mask, masked_attention)
 from trainer.models.sequence_parallel import group_place, whole_positions
+from trainer.models.llama_counts import (count_params, flops_per_token,  # noqa: F401
+                                         init_rule)
 from trainer.models.rope import Rope, apply_rope, rope_at, rope_cos_sin  # noqa: F401 (tests)
 
 IGNORE_INDEX = -100  # targets with this value (prompt tokens, padding) carry no loss
@@ -100,10 +101,24 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope,
                 mask: DocumentMask | None = None) -> torch.Tensor:
-        batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        return self.mix(self.wq(x), self.wk(x), self.wv(x), rope, mask)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v of `x` side by side in one [B, T, (heads + 2 kv heads) * head_dim]
+        tensor: the token-wise input side that sequence tiles compute (Block.tile)."""
+        return torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        kv = self.n_kv_heads * self.head_dim
+        return qkv.split((self.n_heads * self.head_dim, kv, kv), dim=-1)
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+            mask: DocumentMask | None = None) -> torch.Tensor:
+        """wo of the attention of the [B, T, heads * head_dim] projections q, k, v."""
+        batch, seq_len, _ = q.shape
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         # SDPA wants heads before time.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -142,7 +157,12 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block, called as ``block(hidden, rope)`` or, packed,
-    ``block(hidden, rope, mask)``."""
+    ``block(hidden, rope, mask)``.
+
+    In sequence tiles (`tile`), its two token-wise functions of the residual stream compute a
+    slice of the tokens at a time (checkpointing/tiles.py), each norm with its consumer: the
+    attention's input side (attention_norm, then wq/wk/wv) and the MLP half (ffn_norm, then
+    feed_forward). Rotary, attention itself and wo stay whole."""
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -151,16 +171,45 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
         self.residual_dropout = nn.Dropout(args.dropout)
+        self.tiles = 1  # sequence tiles of the token-wise parts (tile)
+
+    def tile(self, num_tiles: int) -> Block:
+        """Compute the token-wise parts in `num_tiles` sequence tiles from now on (1: as
+        written). Once per block, before the checkpoint wrapper and fully_shard, so the
+        recompute and FSDP's unshard window hold the tiles inside. Parameter names unchanged."""
+        for module in (self.attention_norm, self.attention.wq, self.attention.wk,
+                       self.attention.wv, self.ffn_norm, self.feed_forward):
+            mark_tiled(module, num_tiles)  # refuses a second time
+        self.tiles = num_tiles
+        return self
 
     def forward(self, x: torch.Tensor, rope: Rope,
                 mask: DocumentMask | None = None) -> torch.Tensor:
+        if self.tiles > 1:
+            return self._tiled_forward(x, rope, mask)
         h = x + self.residual_dropout(self.attention(self.attention_norm(x), rope, mask))
         return h + self.residual_dropout(self.feed_forward(self.ffn_norm(h)))
 
+    def _tiled_forward(self, x: torch.Tensor, rope: Rope,
+                       mask: DocumentMask | None) -> torch.Tensor:
+        n = self.tiles
+        # The parameters read at every call: FSDP2 swaps in the unsharded ones for the forward.
+        qkv = tiled(self._attention_inputs, x, n,
+                    _trained(self.attention_norm, self.attention.wq, self.attention.wk,
+                             self.attention.wv))
+        h = x + self.residual_dropout(self.attention.mix(*self.attention.split(qkv), rope, mask))
+        mlp = tiled(self._mlp_half, h, n, _trained(self.ffn_norm, self.feed_forward))
+        return h + self.residual_dropout(mlp)
 
-# Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) insert into
-# parameter names; stripped so seeds and init rules do not depend on the wrapping.
-_LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)")
+    def _attention_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention.project(self.attention_norm(x))
+
+    def _mlp_half(self, h: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.ffn_norm(h))
+
+
+def _trained(*modules: nn.Module) -> list[torch.Tensor]:
+    return [p for m in modules for p in m.parameters() if p.requires_grad]
 
 
 class Llama(nn.Module):
@@ -173,6 +222,8 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # The ranks sharing each sample (families/llama.py's sequence_parallel); None: alone.
         self.sequence_group = None
+        # Sequence tiles of the final norm before the head (tile_head); 1: the whole hidden.
+        self.head_tiles = 1
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -183,6 +234,19 @@ class Llama(nn.Module):
         """
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+
+    def tile_head(self, num_tiles: int) -> None:
+        """The final norm computes in `num_tiles` sequence tiles (checkpointing/tiles.py) from
+        now on, so its fp32 copies exist for one tile of tokens at a time."""
+        mark_tiled(self.norm, num_tiles)
+        self.head_tiles = num_tiles
+
+    def _head_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        dim = hidden.dim() - 2  # the tokens: [B, T, d], or the gathered rows [n, d]
+        tiles = min(self.head_tiles, hidden.shape[dim])
+        if tiles <= 1:
+            return self.norm(hidden)
+        return tiled(self.norm, hidden, tiles, _trained(self.norm), dim)
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Llama:
         super().to_empty(device=device, recurse=recurse)
@@ -235,16 +299,16 @@ class Llama(nn.Module):
         for block in self.layers:
             hidden = block(hidden, rope, *masked)
         if targets is not None and (chunk_tokens is not None or rows is not None):
-            return summed_head_loss(self.norm, self.output, hidden, targets, chunk_tokens, rows,
-                                    IGNORE_INDEX)
-        return self.output(self.norm(hidden))
+            return summed_head_loss(self._head_norm, self.output, hidden, targets, chunk_tokens,
+                                    rows, IGNORE_INDEX)
+        return self.output(self._head_norm(hidden))
 
     def param_init_std(self, name: str) -> float | None:
         """Init std for parameter ``name``; ``None`` means fill with ones (norm weights).
 
         Raises KeyError for names this model does not have.
         """
-        return _init_rule(self.args, name)[1]
+        return init_rule(self.args, name)[1]
 
     def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full (unsharded) tensor of parameter ``name`` in place.
@@ -260,7 +324,7 @@ class Llama(nn.Module):
         values depend only on the generator state and the shape, not on the dtype or
         device of ``full``.
         """
-        shape, std = _init_rule(self.args, name)
+        shape, std = init_rule(self.args, name)
         if tuple(full.shape) != shape:
             raise ValueError(
                 f"{name}: expected the full tensor of shape {shape}, got {tuple(full.shape)}"
@@ -273,39 +337,6 @@ class Llama(nn.Module):
             sample = torch.empty(shape, dtype=torch.float32, device=generator.device)
             sample.normal_(mean=0.0, std=std, generator=generator)
             full.copy_(sample)
-
-
-def _init_rule(args: LlamaArgs, name: str) -> tuple[tuple[int, ...], float | None]:
-    """``(full shape, std)`` for a canonical parameter name; std ``None`` means ones."""
-    base_std = 0.02
-    residual_std = base_std / math.sqrt(2 * args.n_layers)
-    q_out = args.n_heads * args.head_dim
-    kv_out = args.n_kv_heads * args.head_dim
-    if name == "tok_embeddings.weight":
-        return (args.vocab_size, args.dim), base_std
-    if name == "output.weight":
-        # When tied this is the same tensor as the embedding; one rule keeps the
-        # numbers independent of which of the two names a caller used.
-        std = base_std if args.tie_embeddings else args.dim**-0.5
-        return (args.vocab_size, args.dim), std
-    if name == "norm.weight":
-        return (args.dim,), None
-    match = _LAYER_PARAM.fullmatch(name)
-    if match is not None and int(match.group(1)) < args.n_layers:
-        layer_rules: dict[str, tuple[tuple[int, ...], float | None]] = {
-            "attention_norm.weight": ((args.dim,), None),
-            "ffn_norm.weight": ((args.dim,), None),
-            "attention.wq.weight": ((q_out, args.dim), base_std),
-            "attention.wk.weight": ((kv_out, args.dim), base_std),
-            "attention.wv.weight": ((kv_out, args.dim), base_std),
-            "attention.wo.weight": ((args.dim, q_out), residual_std),
-            "feed_forward.w1.weight": ((args.ffn_hidden, args.dim), base_std),
-            "feed_forward.w3.weight": ((args.ffn_hidden, args.dim), base_std),
-            "feed_forward.w2.weight": ((args.dim, args.ffn_hidden), residual_std),
-        }
-        if match.group(2) in layer_rules:
-            return layer_rules[match.group(2)]
-    raise KeyError(f"no init rule for parameter {name!r}")
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -350,31 +381,3 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return total
 
 
-def count_params(args: LlamaArgs, exclude_embeddings: bool = False) -> int:
-    """Parameter count from the config alone, equal to ``num_params`` of the built model."""
-    q_out = args.n_heads * args.head_dim
-    kv_out = args.n_kv_heads * args.head_dim
-    attention = args.dim * q_out * 2 + args.dim * kv_out * 2
-    ffn = 3 * args.dim * args.ffn_hidden
-    per_layer = attention + ffn + 2 * args.dim
-    head = args.vocab_size * args.dim
-    non_embedding = args.n_layers * per_layer + args.dim + head
-    if exclude_embeddings or args.tie_embeddings:
-        return non_embedding
-    return non_embedding + args.vocab_size * args.dim
-
-
-def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
-    """Model FLOPs per trained token (forward + backward), for MFU.
-
-    ``6 * N + 12 * n_layers * (n_heads * head_dim) * seq_len``, the estimate from
-    the PaLM paper's appendix (also used by nanoGPT): 6 * N covers the matmuls with
-    every non-embedding weight (2 forward + 4 backward FLOPs per multiply-add), with
-    N counting the output head but not the embedding lookup, which is a gather; the
-    second term covers the attention score and value matmuls, which have no weights.
-    A tied head is counted once, as the head. The causal mask is ignored, as in the
-    reference, so this is the conventional (not the minimal) count.
-    """
-    n_non_embedding = count_params(args, exclude_embeddings=True)
-    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-    return float(6 * n_non_embedding + attention)

@@ -94,7 +94,7 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
             per_byte = moved[o.target]
         timing = Timing(tuple(dict(p.cost_s) for p in profiles),
                         tuple(p.compute_s for p in profiles), rest, per_byte)
-        # Tiles' extra MLP forward at the blocks' measured FLOP rate; the all-to-alls nominal.
+        # Tiles' extra forward (of the tiled parts) at the blocks' measured FLOP rate; the all-to-alls nominal.
         rate = compute / block_flops if block_flops else 0.0
         return with_sequence_costs(timing, profile, scenario, rate), profiles
     return timer

@@ -18,7 +18,6 @@ from checkpointing.planner.memory import (Estimate, ParamGroup, Setup, as_modell
 from checkpointing.planner.metatrace import (FusedAttentionOnMeta, MetaProfile, cast_like_fsdp,
                                              profile_on_meta)
 from checkpointing.planner.sequence_trace import MetaUlysses
-from checkpointing.tiles import tile_module
 from checkpointing.plan import BlockPlan, make_plan as plan_of, with_offload
 from checkpointing.planner.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.planner.profile import BlockProfile
@@ -43,12 +42,13 @@ NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
 
 
 def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaUlysses]:
-    """Make a meta model run as one rank does: its MLPs in `tiles` sequence tiles, and, for a
-    degree > 1, attention through the meta all-to-alls (returned, to count what they send)."""
+    """Make a meta model run as one rank does: its blocks' token-wise parts (and the final
+    norm, where the family tiles it) in `tiles` sequence tiles, and, for a degree > 1, attention through the meta all-to-alls (returned, to count what they send)."""
     family = family_of(cfg.model)
     if tiles > 1:
-        for mlp in family.mlp_modules(model, cfg.model.block_pattern):
-            tile_module(mlp, tiles)
+        for _, block in family.blocks(model, cfg.model.block_pattern):
+            family.tile_block(block, tiles)
+        family.tile_head(model, tiles)
     if degree == 1:
         return None
     ulysses = MetaUlysses(degree)

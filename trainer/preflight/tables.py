@@ -136,7 +136,7 @@ def sequence_text(cfg, tokens: int) -> str:
     degree, tiles = sequence_degree(cfg), tile_count(cfg)
     text = (f", sequence {degree} ({tokens // degree} of each sample's tokens on this rank)"
             if degree > 1 else "")
-    return text + (f", MLPs in {tiles} sequence tiles" if tiles > 1 else "")
+    return text + (f", {tiles} sequence tiles" if tiles > 1 else "")
 
 
 def host_check(outcome, host_capacity: Optional[int]) -> list[str]:

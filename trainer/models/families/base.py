@@ -185,12 +185,28 @@ class Family:
         raise NotImplementedError(f"model.arch={self.arch} has no sequence parallelism")
 
     # Sequence tiles (checkpointing.tiles, checkpointing/tiles.py).
-    tileable = False  # its blocks have a token-wise MLP that mlp_of finds
+    tileable = False  # its blocks have token-wise parts that tile_block tiles
 
     def mlp_of(self, block: nn.Module) -> Optional[nn.Module]:
         """The token-wise MLP of one block, which sequence tiles compute a slice at a time
         (called with one [batch, tokens, dim] tensor); None: the block has none."""
         return None
+
+    def tile_block(self, block: nn.Module, tiles: int) -> bool:
+        """Make one block compute its token-wise parts in `tiles` sequence tiles; False: it
+        has none. Here (HF and the rest): the MLP alone (`mlp_of`), its norm outside the tiles;
+        the built-in Llama tiles more (families/llama.py)."""
+        from checkpointing.tiles import tile_module
+
+        mlp = self.mlp_of(block)
+        if mlp is None:
+            return False
+        tile_module(mlp, tiles)
+        return True
+
+    def tile_head(self, model: nn.Module, tiles: int) -> None:
+        """The part before the head that tiles as the blocks do (the built-in Llama's final
+        norm); nothing here."""
 
     # Task, head and loss.
     def task(self, m: ModelConfig, seq_len: int, summed: bool,

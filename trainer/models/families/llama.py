@@ -58,6 +58,16 @@ class Llama(LanguageModel):
     def mlp_of(self, block: nn.Module) -> nn.Module:
         return block.feed_forward
 
+    def tile_block(self, block: nn.Module, tiles: int) -> bool:
+        """Both token-wise halves: attention_norm with wq/wk/wv, and ffn_norm with the MLP
+        (trainer/models/llama.py's Block.tile)."""
+        block.tile(tiles)
+        return True
+
+    def tile_head(self, model: nn.Module, tiles: int) -> None:
+        """The final norm, tiled before the head (plain or chunked, all rows or gathered)."""
+        model.tile_head(tiles)
+
     def sequence_parallel(self, model: nn.Module, group: ProcessGroup) -> int:
         """Run `model` sequence-parallel over `group` (N ranks sharing each sample): every
         block's attention is wrapped in Ulysses' all-to-all (sharding/sequence.py) and the

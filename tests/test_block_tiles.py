@@ -1,0 +1,115 @@
+"""The built-in Llama's block in sequence tiles (Block.tile: attention_norm with wq/wk/wv, and
+ffn_norm with the MLP) and its final norm tiled before the head (Llama.tile_head): the loss and
+every gradient within 1e-6 of the untiled model, dropout on, plain and chunked head, all rows
+and supervised rows; one tile is the untiled code bit for bit; and the tiled block's backward
+holds less than the untiled one (what the tiles are for). Through the trainer (checkpointing,
+offload, compile, sequence parallel): tests/test_sequence_runs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpointing.head import supervised_rows
+from trainer.models.llama import (IGNORE_INDEX, LlamaArgs, build_llama, next_token_loss_sum,
+                                 rope_cos_sin)
+from trainer.observe.livebytes import LiveTensorBytes
+
+ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64,
+                 max_seq_len=64, dropout=0.1)
+
+
+def _pair(tiles: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    plain = build_llama(ARGS, device="cpu")
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.2)  # norms away from 1: their gradients matter
+    tiled = build_llama(ARGS, device="cpu")
+    tiled.load_state_dict(plain.state_dict())
+    for block in tiled.layers:
+        block.tile(tiles)
+    tiled.tile_head(tiles)
+    return plain, tiled
+
+
+def _step(model, tokens, targets, chunk, rows) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(7)  # the same dropout masks for both models
+    loss = model(tokens, targets=targets, chunk_tokens=chunk, rows=rows)
+    if loss.dim():  # the plain head on all rows: the logits (the final norm tiled there too)
+        loss = next_token_loss_sum(loss, targets)
+    model.tiled_calls = _tiled_nodes(loss.grad_fn)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _tiled_nodes(root) -> int:
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return sum(type(node).__name__ == "_TiledBackward" for node in seen)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("tiles", [3, 5])
+def test_tiled_llama_equals_untiled_loss_and_every_gradient(chunk, gather, tiles) -> None:
+    plain, tiled = _pair(tiles)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 24), generator=generator)
+    targets = torch.randint(0, ARGS.vocab_size, (2, 24), generator=generator)
+    if gather:
+        targets[:, :14] = IGNORE_INDEX  # a prompt: 20 supervised rows, gathered (32 with pad)
+    rows = supervised_rows(targets) if gather else None
+    assert (rows is not None) == gather
+    want_loss, want = _step(plain, tokens, targets, chunk, rows)
+    got_loss, got = _step(tiled, tokens, targets, chunk, rows)
+    # Both halves of each block and the final norm went through the tiles.
+    assert tiled.tiled_calls == 2 * ARGS.n_layers + 1 and plain.tiled_calls == 0
+    assert _relative(got_loss, want_loss) <= 1e-6
+    assert got.keys() == want.keys() and all(g is not None for g in got.values())
+    for name in want:
+        assert _relative(got[name], want[name]) <= 1e-6, name
+    assert not torch.equal(got["layers.0.attention_norm.weight"],
+                           torch.zeros_like(got["layers.0.attention_norm.weight"]))
+
+
+def test_one_tile_is_the_untiled_code_bit_for_bit_and_tiling_twice_is_refused() -> None:
+    plain, tiled = _pair(1)
+    tokens = torch.randint(0, ARGS.vocab_size, (1, 16))
+    want_loss, want = _step(plain, tokens, tokens, 16, None)
+    got_loss, got = _step(tiled, tokens, tokens, 16, None)
+    assert torch.equal(got_loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want)
+    _, three = _pair(3)
+    with pytest.raises(RuntimeError, match="already tiled"):
+        three.layers[0].tile(2)
+    with pytest.raises(ValueError, match="tiles must be >= 1"):
+        plain.layers[0].tile(0)
+
+
+def _block_peak(tiles: int) -> int:
+    """Peak live tensor bytes of one long block's forward and backward."""
+    args = LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=8, ffn_hidden=128,
+                     max_seq_len=2048)
+    block = build_llama(args, device="cpu").layers[0]
+    block.tile(tiles)
+    x = torch.randn(1, 2048, 64, requires_grad=True)
+    rope = rope_cos_sin(args.head_dim, 2048, args.rope_theta, torch.device("cpu"))
+    upstream = torch.randn(1, 2048, 64)
+    with LiveTensorBytes(list(block.parameters()) + [x, upstream, *rope]) as live:
+        block(x, rope).backward(upstream)
+    return live.peak
+
+
+def test_a_tiled_block_holds_fewer_token_tensors() -> None:
+    untiled, tiled = _block_peak(1), _block_peak(8)
+    # Untiled, the block's backward holds the MLP's [tokens, 128] intermediates and the norms'
+    # and projections' [tokens, 64] ones at once; 8 tiles hold one tile's of each.
+    assert tiled < 0.6 * untiled, (tiled, untiled)
