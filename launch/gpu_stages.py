@@ -185,6 +185,9 @@ def fit_stage(device: str, capacity: int, overrides: Sequence[str], seq_lens: Se
     found["row_micro_batch"], found["row_predicted_peak"] = {}, {}
     for name, extra in rows.items():
         micro_batch = found["micro_batch"]
+        if name == LONG_ROW:  # micro-batch 1 at its own length (found["long"])
+            found["row_micro_batch"][name] = 1
+            continue
         if "checkpointing=auto" in extra:  # fits itself (train.memory_gib: the device less reserve)
             found["row_micro_batch"][name] = micro_batch
             continue
