@@ -19,6 +19,7 @@ def preset(name: str) -> LlamaArgs:
 
 # --- running the trainer as a user does -----------------------------------------------------
 
+import contextlib
 import json
 import os
 import socket
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 # Fast, deterministic CLI runs: a short tiny-model job without W&B unless a test asks for it.
@@ -156,3 +157,20 @@ def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: 
 def committed_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name[len("step_"):])
                   for p in (run_dir / "checkpoints").glob("step_*/COMMITTED.json"))
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "1m") mounted at `folder` (made here) for the test's duration:
+    a real full disk. Skips the test where mounting needs root this process does not have."""
+    import pytest
+
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, config, subprocess_env
+from tests.helpers import REPO, config, small_tmpfs, subprocess_env
 from trainer.config import ConfigError
 from trainer.data import tokenize_docs
 from trainer.data.cache_files import CacheFull, problem, remove_dead_temps
@@ -92,19 +92,11 @@ def test_temporary_folders_of_dead_writers_are_removed(tmp_path) -> None:
 
 
 def test_a_full_cache_dir_is_one_error_and_leaves_nothing(tmp_path, tok) -> None:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as mount:
         path = write_jsonl(tmp_path / "t.jsonl", text_records(400))
         with pytest.raises(CacheFull, match=f"no space left in {mount} while caching"):
             windows(path, tok, "text", mount, seq_len=512, packing=False)  # 400 x 6 KiB
         assert [p.name for p in mount.iterdir() if p.is_dir()] == []
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_malformed_jsonl_line_is_named_or_skipped_and_counted(tmp_path, tok) -> None:

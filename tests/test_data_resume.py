@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, REPO, check_ok, step_losses, subprocess_env, trainer_command
+from tests.helpers import (QUICK, REPO, check_ok, small_tmpfs, step_losses, subprocess_env,
+                           trainer_command)
 from trainer.data.demo import chat_records, make_tokenizer, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -82,13 +83,7 @@ def test_a_signal_while_tokenizing_is_one_line_and_leaves_nothing(tmp_path, tok,
 
 
 def test_a_full_cache_dir_exits_74_with_one_line(tmp_path, tok) -> None:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as mount:
         path = write_jsonl(tmp_path / "chats.jsonl", chat_records(600, seed=5))
         result = run(chat_run(tok, path, mount, tmp_path / "run", "train.steps=1",
                               "data.seq_len=512", "data.packing=false"))
@@ -97,5 +92,3 @@ def test_a_full_cache_dir_exits_74_with_one_line(tmp_path, tok) -> None:
         assert "Traceback" not in result.stderr and line.startswith(
             f"error: data.cache_dir: no space left in {mount} while caching the tokenized data")
         assert [p.name for p in mount.iterdir() if p.is_dir()] == []
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)

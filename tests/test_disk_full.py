@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, check_ok, run_trainer, step_losses
+from tests.helpers import QUICK, check_ok, run_trainer, small_tmpfs, step_losses
 
 RUN = QUICK + ["data=synthetic", "train.steps=6", "save.every=2", "save.keep=2"]
 CHECKPOINT_MIB = 11  # one checkpoint of this tiny run: model, AdamW state, RNG, state.json
@@ -19,14 +19,8 @@ CHECKPOINT_MIB = 11  # one checkpoint of this tiny run: model, AdamW state, RNG,
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of 16 MiB: room for one checkpoint of RUN, not for two."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with small_tmpfs(tmp_path / "small", "16m") as mount:
+        yield mount
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
