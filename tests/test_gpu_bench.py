@@ -29,7 +29,8 @@ class Bench:
                                      str(tmp_path / "work"), {}, budget_s, previous)
         self.check.result["stages"]["fit"] = {
             "ok": True, "micro_batch": MICRO_BATCH, "seq_len": SEQ, "model_dim": DIM,
-            "model_layers": LAYERS, "row_micro_batch": {
+            "model_layers": LAYERS, "long": {"seq_len": 4 * SEQ, "host_activations": 0},
+            "row_micro_batch": {
                 n: MICRO_BATCH for n in gpu_bench.ROWS if not n.startswith("ref:")}}
 
     def row(self, check, name: str, micro_batch: int, seq_len: int, cap: float) -> dict:
