@@ -98,8 +98,11 @@ class CudaEfficient:
     def backward(grad_out, q, k, v, out, lse, causal: bool, mask: Optional[torch.Tensor],
                  scale: float):
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        # The kernel reads lse in its forward's padded shape (rows rounded up to 32).
+        pad = -q.shape[2] % 32
+        lse = torch.nn.functional.pad(lse, (0, pad)).contiguous()
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, mask, out, lse.contiguous(), seed, offset, 0.0,
+            grad_out, q, k, v, mask, out, lse, seed, offset, 0.0,
             (True, True, True, False), causal, scale=scale)
         return dq, dk, dv
 
