@@ -14,7 +14,7 @@ What lives here, all taking tensors and a process group (no config):
   ulysses_attention             wraps any attention function with SDPA's calling shape
   gather_sequence               whole-sequence metadata (positions, document ids) for the mask
   sequence_slice                this rank's chunk of a whole-sequence tensor
-  build_sequence_mesh           the device mesh with a "sequence" axis beside data parallelism
+  build_sequence_mesh           the device mesh with a "sequence" axis, as the Layout places it
 
 The collectives are torch's functional ones: differentiable, traceable by torch.compile, and
 served by both gloo (CPU) and NCCL.
@@ -30,8 +30,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from sharding.degrees import check_degree, check_mesh_sizes, kv_repeats  # re-exported
+from sharding.degrees import check_degree, kv_repeats  # re-exported
 from sharding.fsdp import build_mesh
+from sharding.layout import Layout
 
 # Axis positions of (sequence, heads) in the two layouts attention code uses.
 LAYOUTS = {"bhsd": (2, 1),   # scaled_dot_product_attention: [batch, heads, seq, head_dim]
@@ -165,33 +166,31 @@ def sequence_slice(x: torch.Tensor, rank: int, degree: int, dim: int = 1) -> tor
 
 @dataclass(frozen=True)
 class SequenceMesh:
-    """Where a rank stands when N ranks share each sample.
+    """Where a rank stands when N ranks share each sample (the layout's sequence groups).
 
-    Ranks r*N .. r*N+N-1 form one sequence group and read sample share r (data_rank); FSDP shards
-    parameters over every rank of a replica, sequence ranks included, so `fsdp` is today's mesh:
-    1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp.
+    Ranks r*N .. r*N+N-1 form one sequence group and read sample share r (Layout.data_rank);
+    FSDP shards parameters over every rank of a replica, sequence ranks included, so `fsdp` is
+    sharding.fsdp.build_mesh's: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp.
     """
 
     mesh: DeviceMesh            # ("data", "sequence") or ("replicate", "data", "sequence")
     fsdp: DeviceMesh            # what fully_shard gets
     group: dist.ProcessGroup    # this rank's sequence group
-    degree: int                 # N
     rank: int                   # this rank's place in its sequence group (its chunk)
-    data_rank: int              # which share of each global batch the group reads
-    data_size: int              # how many shares: world_size / N
 
 
-def build_sequence_mesh(mode: str, device_type: str, world_size: int, replicate: int,
-                        degree: int) -> SequenceMesh:
-    """The fsdp/hsdp mesh of sharding.fsdp.build_mesh, its "shard" axis split into
-    ("data", "sequence") with the sequence ranks adjacent (they talk every block: keep them on
-    one node). Needs a process group; check the sizes first with check_mesh_sizes."""
-    check_mesh_sizes(mode, world_size, replicate, degree)
-    fsdp = build_mesh(mode, device_type, world_size, replicate)
-    shard = world_size // (replicate if mode == "hsdp" else 1)
-    mesh = fsdp._unflatten("shard", (shard // degree, degree), ("data", "sequence"))
+def build_sequence_mesh(layout: Layout, device_type: str) -> SequenceMesh:
+    """The mesh of sharding.fsdp.build_mesh, its "shard" axis split into ("data", "sequence")
+    with the sequence ranks adjacent (they talk every block: keep them on one node), as the
+    layout places them. Needs a process group."""
+    fsdp = build_mesh(layout, device_type)
+    degree = layout.degree
+    mesh = fsdp._unflatten("shard", (layout.shard // degree, degree), ("data", "sequence"))
     group = mesh.get_group("sequence")
-    rank = dist.get_rank()
-    return SequenceMesh(mesh=mesh, fsdp=fsdp, group=group, degree=degree,
-                        rank=dist.get_rank(group), data_rank=rank // degree,
-                        data_size=world_size // degree)
+    seq = SequenceMesh(mesh=mesh, fsdp=fsdp, group=group, rank=dist.get_rank(group))
+    # The Data gives rank r slice layout.sequence_rank(r) of its group's samples: the mesh
+    # must place it there.
+    if seq.rank != layout.sequence_rank(dist.get_rank()):
+        raise AssertionError(f"the sequence mesh puts rank {dist.get_rank()} at {seq.rank}, "
+                             f"the layout at {layout.sequence_rank(dist.get_rank())}")
+    return seq

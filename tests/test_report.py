@@ -159,7 +159,7 @@ def _measured_step(overrides: list[str], world: int = 1) -> dict:
     cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
     denv = read_env("cpu")
     meter = SavedBytesMeter()
-    built = build_model(cfg, denv, layout.replicate, meter)
+    built = build_model(cfg, denv, layout, meter)
     optimizer = build_optimizer(built.model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
     generator = torch.Generator().manual_seed(denv.rank)

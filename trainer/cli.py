@@ -14,7 +14,8 @@ import sys
 from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
-from trainer.validate import Layout, check_writable, validate  # noqa: F401
+from sharding.layout import Layout
+from trainer.validate import check_writable, validate  # noqa: F401
 from trainer.state.rundir import register_resolver
 
 USAGE_ERROR = 2

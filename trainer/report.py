@@ -80,7 +80,7 @@ def output_dir(args: argparse.Namespace, cfg) -> str:
     return out
 
 
-def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
+def capacity_bytes(args: argparse.Namespace, cfg, layout) -> Optional[int]:
     """train.memory_gib, else --gpu-memory-gib or the visible CUDA device, less
     train.memory_reserve_gib when auto fits or --longest searches (as the trainer's auto keeps
     it on CUDA: trainer/preflight/auto_run.capacity_of)."""
@@ -88,7 +88,7 @@ def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
 
     if cfg.train.memory_gib is not None:
         return int(cfg.train.memory_gib * GIB)
-    reserve = int(cfg.train.memory_reserve_gib * GIB) if fitting(cfg) or args.longest else 0
+    reserve = int(cfg.train.memory_reserve_gib * GIB) if fitting(cfg, layout) or args.longest else 0
     if args.gpu_memory_gib is not None:
         total = int(args.gpu_memory_gib * GIB)
     else:
@@ -107,7 +107,7 @@ def predict(scenario, evaluator, capacity: Optional[int], tflops: float):
     """(outcome, auto's decision or None) of one configuration, as the trainer would plan it."""
     from trainer.preflight.auto_plan import at_decision, decide, fitting, flop_timing
 
-    if not fitting(scenario.cfg):
+    if not fitting(scenario.cfg, scenario.layout):
         return evaluator.evaluate(scenario), None
     if capacity is None:
         raise ConfigError("--gpu-memory-gib", "auto (checkpointing, micro-batch, tiles or "
@@ -169,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     host = None if args.host_memory_gib is None else int(args.host_memory_gib * GIB)
     tried = None
     try:
-        capacity = capacity_bytes(args, cfg)
+        capacity = capacity_bytes(args, cfg, layout)
         if args.longest:
             outcome, decision, tried = predict_longest(scenario, evaluator, capacity, host,
                                                        args.tflops, args.longest_step)
@@ -224,11 +224,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def longest_line(outcome, tried) -> str:
     """'longest: data.seq_len=... fits: ... tokens per rank, ... per node (lengths tried)'."""
-    from trainer.preflight.degrees import sequence_degree, tile_count
+    from trainer.config import tile_count
 
     sc = outcome.scenario
-    seq_len, micro = sc.cfg.data.seq_len, sc.cfg.train.micro_batch_size
-    degree, tiles = sequence_degree(sc.cfg), tile_count(sc.cfg)
+    seq_len, micro = sc.cfg.data.seq_len, sc.layout.micro_batch_size
+    degree, tiles = sc.layout.degree, tile_count(sc.cfg.checkpointing)
     per_rank = seq_len * micro // degree
     return (f"longest: data.seq_len={seq_len} fits (sharding.sequence={degree}, "
             f"checkpointing.tiles={tiles}, micro-batch {micro}): {per_rank:,} tokens per rank, "

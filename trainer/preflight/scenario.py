@@ -24,10 +24,10 @@ from checkpointing.planner.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
 from trainer.build import build_on_meta, find_model_blocks
-from trainer.config import Config
+from trainer.config import Config, tile_count
 from trainer.models.families import family_of
-from trainer.preflight.degrees import sequence_degree, tile_count
-from trainer.validate import Layout, validate
+from sharding.layout import Layout
+from trainer.validate import validate
 from trainer.task import task_for
 
 # Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
@@ -146,7 +146,7 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
                        offload)
     if c.policy != "budget":  # as trainer/build.py does
         plan = with_offload(plan, o.target, o.keep_last)
-    return with_tiles(plan, tile_count(scenario.cfg)), budget
+    return with_tiles(plan, tile_count(scenario.cfg.checkpointing)), budget
 
 
 def with_tiles(plan: list[BlockPlan], tiles: int) -> list[BlockPlan]:
@@ -164,14 +164,15 @@ class Evaluator:
         self.device_type = device_type  # cpu: attention as the CPU runs it (metatrace.py)
         self._profiles: dict[tuple, tuple[MetaProfile, list[ParamGroup], torch.dtype]] = {}
 
-    def profile(self, cfg: Config) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
+    def profile(self, cfg: Config, degree: int = 1
+                ) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
         """Meta profile, parameter groups and parameter dtype of a config (cached by shapes).
 
-        One rank's: with sharding.sequence=N its T/N tokens, attention between the meta
+        One rank's: with a sequence degree N (the scenario's layout's) its T/N tokens, attention between the meta
         stand-in of Ulysses' all-to-alls (checkpointing/planner/sequence_trace.py); with
         checkpointing.tiles=n every block's MLP tiled as the trainer tiles it."""
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
-        degree, tiles = sequence_degree(cfg), tile_count(cfg)
+        tiles = tile_count(cfg.checkpointing)
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
                tuple(cfg.checkpointing.save_ops), task.head_chunk, task.gather_rows,
@@ -202,12 +203,12 @@ class Evaluator:
         return self._profiles[key]
 
     def setup(self, scenario: Scenario) -> Setup:
-        return setup_of(scenario, self.profile(scenario.cfg)[2], self.optimizer_foreach,
-                        self.device_type)
+        return setup_of(scenario, self.profile(scenario.cfg, scenario.layout.degree)[2],
+                        self.optimizer_foreach, self.device_type)
 
     def evaluate(self, scenario: Scenario, plan: Optional[list[BlockPlan]] = None) -> Outcome:
         """The prediction of the trainer's plan for this config, or of `plan` when given."""
-        profile, groups, orig_dtype = self.profile(scenario.cfg)
+        profile, groups, orig_dtype = self.profile(scenario.cfg, scenario.layout.degree)
         budget = None
         if plan is None:
             plan, budget = make_plan(scenario, profile, self.seconds_per_flop)
