@@ -115,7 +115,8 @@ class Layout:
     def decided(self, sequence: int, micro_batch: int) -> "Layout":
         """The layout once `auto` has chosen the degree and the micro-batch: made anew, as
         validation makes one, so the gradient accumulation follows them."""
-        return make_layout(self.mode, self.world_size, self.replicate, sequence, micro_batch,
+        replicate = self.replicate if self.mode == "hsdp" else None
+        return make_layout(self.mode, self.world_size, replicate, sequence, micro_batch,
                            1 if self.global_batch is not None else self.grad_accum,
                            self.global_batch)
 
