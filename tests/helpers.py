@@ -51,7 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 # Fast, deterministic CLI runs: a short tiny-model job without W&B unless a test asks for it.

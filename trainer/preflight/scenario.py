@@ -17,12 +17,12 @@ from checkpointing.planner.memory import (Estimate, ParamGroup, Setup, as_modell
                                  param_groups)
 from checkpointing.planner.metatrace import (FusedAttentionOnMeta, MetaProfile, cast_like_fsdp,
                                              profile_on_meta)
-from checkpointing.planner.sequence_trace import MetaUlysses
 from checkpointing.plan import BlockPlan, make_plan as plan_of, with_offload
 from checkpointing.planner.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.planner.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
+from sharding.sequence import MetaExchange
 from trainer.build import build_on_meta, find_model_blocks
 from trainer.config import Config, tile_count
 from trainer.models.families import family_of
@@ -41,9 +41,11 @@ NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
 
 
 
-def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaUlysses]:
+def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaExchange]:
     """Make a meta model run as one rank does: its blocks' token-wise parts (and the final
-    norm, where the family tiles it) in `tiles` sequence tiles, and, for a degree > 1, attention through the meta all-to-alls (returned, to count what they send)."""
+    norm, where the family tiles it) in `tiles` sequence tiles, and, for a degree > 1,
+    attention through Ulysses with the meta exchange (sharding/sequence.py's, the trainer's
+    code with allocations for the all-to-alls; returned, to count what they send)."""
     family = family_of(cfg.model)
     if tiles > 1:
         for _, block in family.blocks(model, cfg.model.block_pattern):
@@ -51,9 +53,9 @@ def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optiona
         family.tile_head(model, tiles)
     if degree == 1:
         return None
-    ulysses = MetaUlysses(degree)
-    family.wrap_attention(model, ulysses.wrap)
-    return ulysses
+    exchange = MetaExchange(degree)
+    family.wrap_ulysses(model, exchange)
+    return exchange
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ class Evaluator:
         """Meta profile, parameter groups and parameter dtype of a config (cached by shapes).
 
         One rank's: with a sequence degree N (the scenario's layout's) its T/N tokens, attention between the meta
-        stand-in of Ulysses' all-to-alls (checkpointing/planner/sequence_trace.py); with
+        stand-in of Ulysses' all-to-alls (sharding/sequence.py's MetaExchange); with
         checkpointing.tiles=n every block's MLP tiled as the trainer tiles it."""
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         tiles = tile_count(cfg.checkpointing)
@@ -184,7 +186,7 @@ class Evaluator:
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
-            ulysses = one_rank_of_sequence(cfg, model, degree, tiles)
+            exchange = one_rank_of_sequence(cfg, model, degree, tiles)
             inputs, targets = task.example(cfg.train.micro_batch_size)
             if degree > 1:  # this rank's slice of each row (a language model's tokens)
                 inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
@@ -193,12 +195,12 @@ class Evaluator:
                                       lambda m: task.loss(m, inputs, targets),
                                       resolve_ops(names_ops), names_ops,
                                       like_cpu=self.device_type == "cpu")
-            if ulysses is not None:  # one forward's all-to-alls, counted alone
-                ulysses.sent_bytes = 0
+            if exchange is not None:  # one forward's all-to-alls, counted alone
+                exchange.sent_bytes = 0
                 with torch.no_grad(), FusedAttentionOnMeta(self.device_type == "cpu"):
                     task.loss(model, inputs, targets)
                 profile = dataclasses.replace(
-                    profile, sent_bytes_per_block=ulysses.sent_bytes // max(1, len(blocks)))
+                    profile, sent_bytes_per_block=exchange.sent_bytes // max(1, len(blocks)))
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]
 
