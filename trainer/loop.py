@@ -38,8 +38,8 @@ from trainer.data.factory import open_data
 from trainer.distenv import DistEnv, init_distributed, mean_and_sums, read_env, shutdown
 from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, StopVote,
                             TimeoutWatchdog, Verdict, injected_loss)
-from trainer.preflight.auto_plan import fitting, rows as fit_rows, table as fit_table
-from trainer.preflight.auto_run import DECISION_FILE as FIT_FILE, fit_run
+from trainer.preflight.auto_plan import auto_decides, auto_rows, auto_table
+from trainer.preflight.auto_run import AUTO_FILE, run_auto
 from trainer.models.families import family_of
 from trainer.models.llama import lm_loss
 from trainer.observe.dashboard import end_of_run, start_logging, start_of_run
@@ -195,8 +195,8 @@ class Trainer:
         decision = None
         # The share of supervised rows the head is planned for: the prepared cache's, if any.
         cfg, self.head_note = with_head_share(cfg)
-        if fitting(cfg, layout):  # auto decides the plan, tiles, micro-batch or degree first
-            cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
+        if auto_decides(cfg, layout):  # auto decides the plan, tiles, micro-batch or degree first
+            cfg, layout, decision = run_auto(cfg, layout, denv, run_dir, denv.local_world_size)
         self.cfg, self.layout, self.run_dir, self.denv = cfg, layout, run_dir, denv
         self.device, t, lg = denv.device, cfg.train, cfg.logging
         meter = SavedBytesMeter()  # what the forwards keep on the device for backward
@@ -341,9 +341,9 @@ class Trainer:
         if d is not None:
             when = "as decided at the first start: " if d.reused else "saved in "
             self.logger.table(
-                "auto_candidates", f"fitting {d.capacity / 2**30:.2f} GiB per rank: micro-batch "
-                f"{d.micro_batch}, predicted peak {d.peak_bytes / 2**30:.3f} GiB, step "
-                f"{d.step_s:.4f} s ({when}{FIT_FILE}); candidates", fit_table(d), fit_rows(d))
+                "auto_candidates", f"auto within {d.capacity / 2**30:.2f} GiB per rank: "
+                f"micro-batch {d.micro_batch}, predicted peak {d.peak_bytes / 2**30:.3f} GiB, step "
+                f"{d.step_s:.4f} s ({when}{AUTO_FILE}); candidates", auto_table(d), auto_rows(d))
         num_params = sum(p.numel() for p in self.model_state.model.parameters())
         self.logger.info(
             f"world {denv.world_size} ({layout.mode}, replicate {layout.replicate} x shard "

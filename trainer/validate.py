@@ -46,7 +46,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     """Checks every value a type cannot, against the world this run will have; the first
     mistake found (in this order) is the one reported."""
     _check_ranges(cfg)
-    _check_fitting(cfg.train, cfg.checkpointing.policy, cfg.logging.live_bytes_step)
+    _check_auto(cfg.train, cfg.checkpointing.policy, cfg.logging.live_bytes_step)
     _check_checkpointing(cfg.checkpointing, cfg.train.compile)
     _check_run_control(cfg)
     _check_model_and_data(cfg)
@@ -126,7 +126,7 @@ def _check_ranges(cfg: Config) -> None:
                 f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
 
 
-def _check_fitting(t: TrainConfig, policy: str, live_bytes_step: Optional[int]) -> None:
+def _check_auto(t: TrainConfig, policy: str, live_bytes_step: Optional[int]) -> None:
     """The micro-batch, the memory to fit and what `auto` needs."""
     auto_batch = t.micro_batch_size == "auto"
     require(auto_batch or (isinstance(t.micro_batch_size, int)

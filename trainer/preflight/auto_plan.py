@@ -17,13 +17,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from checkpointing.planner.whole_step import Choice, NoFit, Timing, evaluate_plan, fit_plan
-from checkpointing.plan import BlockPlan, describe, make_plan, recompute_pattern, with_offload
+from checkpointing.planner.whole_step import Choice, NoFit, Timing, evaluate_plan, fastest_plan
+from checkpointing.plan import (BlockPlan, describe, make_plan, recompute_pattern, with_offload,
+                                with_tiles)
 from checkpointing.planner.profile import BlockProfile
 from trainer.config import Config, ConfigError, tile_count
 from sharding.layout import Layout, auto_degrees
 from trainer.preflight.scenario import (NOMINAL_ALL_TO_ALL_BYTES_PER_S, NOMINAL_SECONDS_PER_BYTE,
-                                       Evaluator, Scenario, with_changes, with_tiles)
+                                       Evaluator, Scenario, with_changes)
 
 GIB = 2 ** 30
 UNIFORM = ("none", "selective", "full")
@@ -73,7 +74,7 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.3g} GiB"
 
 
-def fitting(cfg: Config, layout: Layout) -> bool:
+def auto_decides(cfg: Config, layout: Layout) -> bool:
     """Whether `auto` decides something: the plan, the tiles, or what the layout leaves to it
     (the micro-batch, the sequence degree)."""
     return (cfg.checkpointing.policy == "auto" or cfg.checkpointing.tiles == "auto"
@@ -274,8 +275,9 @@ def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
 def _choose(cfg: Config, policy: str, groups, profile, setup, timing: Timing,
             capacity: int) -> Choice:
     if policy == "auto":
-        return fit_plan(groups, profile, setup, timing, capacity, cfg.sharding.mode != "none",
-                        cfg.offload.keep_last, cfg.offload.target)
+        return fastest_plan(groups, profile, setup, timing, capacity,
+                            cfg.sharding.mode != "none", cfg.offload.keep_last,
+                            cfg.offload.target)
     choice = evaluate_plan(groups, profile, setup, timing,
                            fixed_plan(cfg, list(profile.block_names)))
     if choice.peak > capacity:
@@ -308,9 +310,9 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
         profile, groups, _ = evaluator.profile(changed.cfg, changed.layout.degree)
         timing = untimed(changed.cfg, changed, evaluator)[0]
         try:
-            return fit_plan(groups, profile, evaluator.setup(changed), timing, capacity,
-                            s.mode != "none", changed.cfg.offload.keep_last,
-                            changed.cfg.offload.target).peak
+            return fastest_plan(groups, profile, evaluator.setup(changed), timing, capacity,
+                                s.mode != "none", changed.cfg.offload.keep_last,
+                                changed.cfg.offload.target).peak
         except NoFit:
             return None
 
@@ -342,7 +344,7 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
     return found
 
 
-def table(decision: Decision) -> str:
+def auto_table(decision: Decision) -> str:
     """The candidates as a terminal table, the chosen one marked."""
     lines = [f"{'':1} {'seq':>3} {'tiles':>5} {'micro':>5} {'accum':>5} {'policy':<9} "
              f"{'predicted peak GiB':>18} {'step s':>9} {'fits':<4} plan"]
@@ -360,5 +362,5 @@ def table(decision: Decision) -> str:
     return "\n".join(lines)
 
 
-def rows(decision: Decision) -> list[dict]:
+def auto_rows(decision: Decision) -> list[dict]:
     return [dataclasses.asdict(r) for r in decision.candidates]

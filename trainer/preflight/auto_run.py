@@ -37,7 +37,7 @@ from trainer.preflight.scenario import Evaluator, Scenario, one_rank_of_sequence
 from trainer.task import task_for
 
 log = logging.getLogger("trainer")
-DECISION_FILE = "auto.json"
+AUTO_FILE = "auto.json"
 
 
 def capacity_of(cfg: Config, device: torch.device) -> int:
@@ -135,7 +135,7 @@ def _write(path: str, key: dict, decision: Decision) -> None:
     os.replace(tmp, path)
 
 
-def fit_run(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
+def run_auto(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
             gpus_per_node: int) -> tuple[Config, Layout, Decision]:
     """(the config with what auto chose made concrete, the new layout auto's choice makes, the
     decision). The layout is made anew from the chosen degree and micro-batch, as validation
@@ -145,7 +145,7 @@ def fit_run(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
         try:
             capacity = capacity_of(cfg, denv.device)
             key = _key(cfg, denv.world_size, capacity)
-            path = os.path.join(run_dir, DECISION_FILE)
+            path = os.path.join(run_dir, AUTO_FILE)
             decision = _read(path, key)
             if decision is None:
                 evaluator = Evaluator(1.0, optimizer_foreach=denv.device.type == "cuda",

@@ -41,7 +41,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
     """Raises ConfigError for the mistakes above; see the module docstring."""
     try:
         _save_ops(cfg)
-        family_of(cfg.model).preflight(cfg.model)
+        family_of(cfg.model).check_deep(cfg.model)
         _blocks(cfg)
         _data(cfg)
         _head(cfg)
@@ -66,9 +66,9 @@ def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
     """checkpointing=auto or micro_batch_size=auto with a train.memory_gib that not even the
     smallest micro-batch fits: the trainer's own one line, before anything starts. The memory
     model alone decides this (no timing), at the smallest candidate (the least memory)."""
-    from trainer.preflight.auto_plan import GIB, at_micro_batch, decide, fitting, flop_timing
+    from trainer.preflight.auto_plan import GIB, at_micro_batch, auto_decides, decide, flop_timing
 
-    if not fitting(cfg, layout) or cfg.train.memory_gib is None:
+    if not auto_decides(cfg, layout) or cfg.train.memory_gib is None:
         return
     import torch
 

@@ -17,7 +17,7 @@ from checkpointing.planner.memory import (Estimate, ParamGroup, Setup, as_modell
                                  param_groups)
 from checkpointing.planner.metatrace import (FusedAttentionOnMeta, MetaProfile, cast_like_fsdp,
                                              profile_on_meta)
-from checkpointing.plan import BlockPlan, make_plan as plan_of, with_offload
+from checkpointing.plan import BlockPlan, make_plan, with_offload, with_tiles
 from checkpointing.planner.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.planner.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
@@ -121,7 +121,7 @@ def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockP
             for m in profile.blocks]
 
 
-def make_plan(scenario: Scenario, profile: MetaProfile,
+def trainer_plan(scenario: Scenario, profile: MetaProfile,
               seconds_per_flop: float) -> tuple[list[BlockPlan], Optional[Budget]]:
     """The trainer's plan for this config (policies.choose_plan); raises BudgetError."""
     c = scenario.cfg.checkpointing
@@ -133,7 +133,7 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
         return read_plan(c.plan_file, names, shard, scenario.cfg.train.compile), None
     assert c.policy != "auto", "checkpointing=auto plans through trainer/preflight/auto_plan.py"
     if c.policy == "compiler":  # decided inside the compiled graph; evaluate() bounds it
-        plan = plan_of(names, ["compiler"] * len(names), shard)
+        plan = make_plan(names, ["compiler"] * len(names), shard)
         return with_offload(plan, o.target, o.keep_last), None
     profiles = block_profiles(profile, seconds_per_flop)
     budget, offload = None, None
@@ -149,11 +149,6 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
     if c.policy != "budget":  # as trainer/build.py does
         plan = with_offload(plan, o.target, o.keep_last)
     return with_tiles(plan, tile_count(scenario.cfg.checkpointing)), budget
-
-
-def with_tiles(plan: list[BlockPlan], tiles: int) -> list[BlockPlan]:
-    """Every block's MLP in `tiles` sequence tiles (the meta profile is traced so)."""
-    return [dataclasses.replace(p, tiles=tiles) for p in plan]
 
 
 class Evaluator:
@@ -213,7 +208,7 @@ class Evaluator:
         profile, groups, orig_dtype = self.profile(scenario.cfg, scenario.layout.degree)
         budget = None
         if plan is None:
-            plan, budget = make_plan(scenario, profile, self.seconds_per_flop)
+            plan, budget = trainer_plan(scenario, profile, self.seconds_per_flop)
         plan = as_modelled(plan)  # what the tables and the picture show is what was estimated
         setup = self.setup(scenario)
         return Outcome(scenario, plan, estimate(groups, profile, plan, setup), profile, groups,

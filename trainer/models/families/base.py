@@ -123,7 +123,7 @@ class Family:
         """The family's own settings, after the checks every model of its kind shares
         (trainer/validate.py); a mistake raises the ConfigError naming its key."""
 
-    def preflight(self, m: ModelConfig) -> None:
+    def check_deep(self, m: ModelConfig) -> None:
         """Checks that need the family's library (trainer/preflight/precheck.py, before the run)."""
 
     def vocab_size(self, m: ModelConfig) -> int:

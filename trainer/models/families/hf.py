@@ -35,7 +35,7 @@ class HFCausalLM(LanguageModel):
     def own_tokenizer(self, m: ModelConfig) -> Optional[str]:
         return m.path
 
-    def preflight(self, m: ModelConfig) -> None:
+    def check_deep(self, m: ModelConfig) -> None:
         """The model type is one transformers knows, and it has a causal LM."""
         model_type = hf_fields(m).get("model_type")
         key = "model.hf_config.model_type" if m.path is None else "model.path"
