@@ -26,9 +26,18 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from checkpointing.tile_memory import tile_sizes
-
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def tile_sizes(length: int, tiles: int) -> list[int]:
+    """Token counts of `tiles` consecutive tiles of `length` tokens: as even as possible, the
+    first length % tiles of them one token longer."""
+    if tiles < 1:
+        raise ValueError(f"tiles must be >= 1, got {tiles}")
+    if tiles > length:
+        raise ValueError(f"{tiles} tiles for {length} tokens: at most one tile per token")
+    base, longer = divmod(length, tiles)
+    return [base + 1] * longer + [base] * (tiles - longer)
 
 
 # Under torch.compile the tiles run eagerly, forward and recompute alike: a compiled forward

@@ -1,9 +1,9 @@
 """The sizes sequence parallelism needs, as pure checks: a config validator runs them before any
-process group starts, and without torch (trainer/validate.py imports this module).
+process group starts, and without torch (the families import this module). Whether a group
+of N fits the world is the layout's to say (sharding/layout.py).
 
   kv_repeats        how often each key/value head is repeated so N ranks can split the heads
   check_degree      N divides the sequence
-  check_mesh_sizes  a sequence group of N fits the sharding mode and the world
 """
 
 from __future__ import annotations
@@ -36,15 +36,3 @@ def check_degree(seq_len: int, degree: int) -> None:
     """The sequence splits into `degree` equal contiguous chunks, or ValueError."""
     if degree < 1 or seq_len % degree:
         raise ValueError(f"sequence degree {degree} must divide the sequence length {seq_len}")
-
-
-def check_mesh_sizes(mode: str, world_size: int, replicate: int, degree: int) -> None:
-    """ValueError unless a sequence group of `degree` fits the sharding mode and world."""
-    if mode not in ("fsdp", "hsdp"):
-        raise ValueError(f"sequence parallelism needs sharding fsdp or hsdp, not {mode!r}")
-    shard = world_size // replicate if mode == "hsdp" else world_size
-    if mode == "hsdp" and world_size % replicate:
-        raise ValueError(f"replicas {replicate} must divide the world size {world_size}")
-    if degree < 1 or shard % degree:
-        where = "ranks per replica" if mode == "hsdp" else "world size"
-        raise ValueError(f"sequence degree {degree} must divide the {where} {shard}")

@@ -18,16 +18,17 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     OffloadPolicy, fully_shard)
 
 from checkpointing.plan import BlockPlan
+from sharding.layout import Layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_mesh(mode: str, device_type: str, world_size: int, replicate: int) -> Optional[DeviceMesh]:
+def build_mesh(layout: Layout, device_type: str) -> Optional[DeviceMesh]:
     """1-D ("shard") for fsdp, 2-D ("replicate", "shard") for hsdp, none for sharding=none."""
-    if mode == "fsdp":
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    if mode == "hsdp":
-        return init_device_mesh(device_type, (replicate, world_size // replicate),
+    if layout.mode == "fsdp":
+        return init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("shard",))
+    if layout.mode == "hsdp":
+        return init_device_mesh(device_type, (layout.replicate, layout.shard),
                                 mesh_dim_names=("replicate", "shard"))
     return None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from trainer.cli import compose
 from trainer.config import Config
 from trainer.models.families.llama import llama_args
@@ -10,6 +12,27 @@ from trainer.models.llama import LlamaArgs
 
 def config(*overrides: str) -> Config:
     return compose(list(overrides))
+
+
+def layout_of(cfg: Config, world_size: Optional[int] = None):
+    """The layout validation makes of `cfg` on this process group's world (or `world_size`)."""
+    import torch.distributed as dist
+
+    from trainer.validate import validate
+
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return validate(cfg, world_size=world_size)
+
+
+def sampling(rank: int, world_size: int, micro_batch_size: int, grad_accum: int, seed: int = 0,
+             eval_batches: int = 1, sequence: int = 1):
+    """A rank's Sampling on an fsdp layout of these sizes."""
+    from sharding.layout import make_layout
+    from trainer.data.batches import Sampling
+
+    layout = make_layout("fsdp", world_size, None, sequence, micro_batch_size, grad_accum, None)
+    return Sampling(rank, layout, seed, eval_batches)
 
 
 def preset(name: str) -> LlamaArgs:
@@ -28,7 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 # Fast, deterministic CLI runs: a short tiny-model job without W&B unless a test asks for it.

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from checkpointing.planner.whole_step import NoFit, Timing, evaluate_plan, fit_plan
+from checkpointing.planner.whole_step import NoFit, Timing, evaluate_plan, fastest_plan
 from checkpointing.planner.memory import capacity_chain, fixed_phases
 from checkpointing.plan import make_plan, plan_from_json
 from checkpointing.planner.search import activation_peak
@@ -58,10 +58,10 @@ def test_auto_is_the_fastest_plan_whose_predicted_step_fits(extra, world) -> Non
         feasible = [p for p in plans if p.peak <= capacity]
         if not feasible:
             with pytest.raises(NoFit) as info:
-                fit_plan(groups, profile, setup, timing, capacity, True, 1)
+                fastest_plan(groups, profile, setup, timing, capacity, True, 1)
             assert info.value.least == peaks[0]
             continue
-        choice = fit_plan(groups, profile, setup, timing, capacity, True, 1)
+        choice = fastest_plan(groups, profile, setup, timing, capacity, True, 1)
         assert choice.peak <= capacity
         assert choice.step_s == pytest.approx(min(p.step_s for p in feasible), abs=1e-12)
 
@@ -90,9 +90,9 @@ def test_disk_offload_is_chosen_when_recompute_alone_cannot_fit() -> None:
     timing = dataclasses.replace(_timing(profile, random.Random(1)), offload_s_per_byte=1e-12)
     kept = dataclasses.replace(setup, offload_min_bytes=None)  # offload=none: nothing moves
     with pytest.raises(NoFit) as info:
-        fit_plan(groups, profile, kept, timing, 1, True, 1)
+        fastest_plan(groups, profile, kept, timing, 1, True, 1)
     least_without = info.value.least
-    choice = fit_plan(groups, profile, setup, timing, least_without - 1, True, 1, "disk")
+    choice = fastest_plan(groups, profile, setup, timing, least_without - 1, True, 1, "disk")
     assert choice.peak <= least_without - 1
     assert any(p.offload != "none" and p.target == "disk" for p in choice.plan)
     assert choice.plan[-1].offload == "none"  # offload.keep_last=1
@@ -186,9 +186,9 @@ def test_too_little_memory_is_one_line_naming_the_least_and_what_else_fits(tmp_p
 def test_nothing_else_fits_is_said_not_left_to_an_empty_list(capsys) -> None:
     """Issue 27 item 11: without sharding no other setting is tried; the line must not end
     "change one of these" with nothing listed."""
-    from trainer.cli import preflight
+    from trainer.cli import check_command
 
-    status = preflight(["train.device=cpu", "sharding=none", "checkpointing=auto",
+    status = check_command(["train.device=cpu", "sharding=none", "checkpointing=auto",
                         "train.micro_batch_size=auto", "train.global_batch_size=8",
                         "train.memory_gib=0.005"], {})
     line = capsys.readouterr().err.strip()

@@ -13,6 +13,7 @@ from tests.dist import spawn
 from tests.helpers import config
 from trainer.build import build_on_meta, materialize
 from sharding.fsdp import apply_fsdp, build_mesh, mixed_precision
+from sharding.layout import mesh_layout
 
 
 class MixerLayer(nn.Module):
@@ -76,7 +77,7 @@ def _sharded_toy(rank: int, world_size: int):
     names = [n for n, _ in find_blocks(model)]
     blocks = [m for _, m in find_blocks(model)]
     plan = make_plan(names, ["none"] * len(names), shard=True)
-    mesh = build_mesh("fsdp", "cpu", world_size, 1)
+    mesh = build_mesh(mesh_layout("fsdp", world_size), "cpu")
     apply_fsdp(model, blocks, plan, mesh, mixed_precision(None, None), True)
     materialize(model, torch.device("cpu"), seed=3)
     loss, grads = _toy_step(model)
@@ -102,7 +103,7 @@ def _llama_full_weights(rank: int, world_size: int, mode: str):
     cfg = config("model.tie_embeddings=true")
     model = build_on_meta(cfg.model)
     found = find_blocks(model)
-    mesh = build_mesh(mode, "cpu", world_size, 2 if mode == "hsdp" else 1)
+    mesh = build_mesh(mesh_layout(mode, world_size, 2 if mode == "hsdp" else None), "cpu")
     apply_fsdp(model, [m for _, m in found], make_plan([n for n, _ in found], ["none"] * len(found), True),
                mesh, mixed_precision(None, None), True)
     materialize(model, torch.device("cpu"), seed=0)

@@ -14,7 +14,7 @@ from checkpointing.meter import SavedBytesMeter
 from trainer.distenv import init_distributed, read_env, shutdown
 from tests.checkpoint_harness import POLICIES, SMALL, batch
 from tests.dist import spawn
-from tests.helpers import config
+from tests.helpers import config, layout_of
 from trainer.build import build_model
 from trainer.config import DEFAULT_SAVE_OPS
 from trainer.models.llama import lm_loss
@@ -27,7 +27,7 @@ def _train_steps(overrides: list[str], steps: int = 3, rank: int = 0):
     denv = read_env("cpu")
     meter = SavedBytesMeter()
     torch.manual_seed(7 + rank)  # dropout masks: the same sequence for every policy
-    built = build_model(cfg, denv, replicate=1, meter=meter)
+    built = build_model(cfg, denv, layout=layout_of(cfg), meter=meter)
     model = built.model
     optimizer = build_optimizer(model, cfg.optim)
     losses = []

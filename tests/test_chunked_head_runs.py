@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from checkpointing.meter import SavedBytesMeter
 from tests.dist import spawn
-from tests.helpers import QUICK, check_ok, config, losses, run_trainer
+from tests.helpers import QUICK, check_ok, config, losses, run_trainer, layout_of
 from trainer.build import build_model
 from trainer.config import ConfigError
 from trainer.distenv import read_env
@@ -43,7 +43,7 @@ def _head_traffic(rank: int, world: int, head: str, accum: int) -> dict:
     """All-gathers and reduce-scatters of a step, and the loss, on 2 ranks."""
     cfg = config(*BIG_VOCAB, "data.seq_len=64", "train.micro_batch_size=2",
                  f"checkpointing.head={head}", "checkpointing.head_chunk_tokens=16")
-    model = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter()).model
+    model = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter()).model
     task = task_for(cfg.model, cfg.data, cfg.checkpointing)
     counts = {"gather": 0, "reduce": 0}
     gather, reduce = dist.all_gather_single, dist.reduce_scatter_tensor

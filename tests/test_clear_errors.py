@@ -21,14 +21,14 @@ from trainer import cli
 TINY_RUN = QUICK + ["data=synthetic", "train.steps=2", "save.every=0"]
 
 
-def _preflight(argv: list[str], cwd: Path) -> tuple[int, str]:
+def _check_command(argv: list[str], cwd: Path) -> tuple[int, str]:
     """The checks before Hydra, in this process: (status, what it printed)."""
     err = io.StringIO()
     old = os.getcwd()
     os.chdir(cwd)
     try:
         with redirect_stderr(err):
-            status = cli.preflight(argv, {})
+            status = cli.check_command(argv, {})
     finally:
         os.chdir(old)
     return status, err.getvalue()
@@ -76,7 +76,7 @@ def test_mistakes_found_before_the_run_directory_is_made(tmp_path) -> None:
          "is 256"),
     ]
     for argv, expected in cases:
-        status, printed = _preflight(argv, tmp_path)
+        status, printed = _check_command(argv, tmp_path)
         assert status == 2, (argv, printed)
         _one_line(printed, expected)
     assert not (tmp_path / "outputs").exists()  # nothing written for any of them

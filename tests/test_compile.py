@@ -15,7 +15,7 @@ from checkpointing.plan import block_rows
 from checkpointing.meter import SavedBytesMeter, is_parameter_like
 from tests.checkpoint_harness import SMALL, train_steps
 from tests.dist import spawn
-from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
+from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer, layout_of
 from trainer.build import build_model
 from trainer.distenv import read_env
 
@@ -32,7 +32,7 @@ def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
     cfg = config(*SMALL, *COMPILED, *overrides)
     meter = SavedBytesMeter()
     torch.manual_seed(7 + rank)
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=run_dir)
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=meter, run_dir=run_dir)
     assert built.compiled_blocks == 4
     losses, grads, offloaded = train_steps(built, meter, cfg.optim, steps, rank)
     return losses, grads, meter.peak, offloaded, [(p.recompute, p.memory_budget)
@@ -125,7 +125,7 @@ def test_saved_bytes_are_what_the_compiled_backward_keeps(world_of_one, tmp_path
     cfg = config(*SMALL, "train.compile=true", "model.dropout=0.0", f"checkpointing={policy}",
                  "checkpointing.profile=true")
     meter = SavedBytesMeter()
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=str(tmp_path))
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=meter, run_dir=str(tmp_path))
     inputs, targets = token_batch(0, 0)
     with meter.measure():
         loss = lm_loss(built.model, inputs, targets)
@@ -147,7 +147,7 @@ def test_identical_blocks_compile_once(world_of_one, tmp_path) -> None:
     for layers, policy in ((4, "none"), (8, "none"), (8, "full")):
         cfg = config(*SMALL, "train.compile=true", f"model.n_layers={layers}",
                      f"checkpointing={policy}", "model.dim=48")
-        built = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter(),
+        built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter(),
                             run_dir=str(tmp_path))
         before = graphs_compiled()
         lm_loss(built.model, *token_batch(0, 0)).backward()

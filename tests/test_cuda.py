@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import QUICK, check_ok, read_metrics, run_trainer
+from tests.helpers import QUICK, check_ok, read_metrics, run_trainer, layout_of
 
 
 @pytest.mark.cuda
@@ -56,7 +56,7 @@ def test_building_leaves_no_peak_behind(monkeypatch) -> None:
         monkeypatch.delenv(key, raising=False)
     cfg = config("checkpointing=full", "sharding=none", "data.seq_len=512",
                  "train.micro_batch_size=8", "train.device=cuda")
-    built = build_model(cfg, read_env("cuda"), replicate=1, meter=SavedBytesMeter())
+    built = build_model(cfg, read_env("cuda"), layout=layout_of(cfg), meter=SavedBytesMeter())
     device = next(built.model.parameters()).device
     assert torch.cuda.max_memory_allocated(device) == torch.cuda.memory_allocated(device)
     assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) < 64 * 2**20

@@ -8,7 +8,8 @@ import torch
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.base import ModelFacts
-from trainer.data.batches import SampledData, Sampling, StreamedData
+from tests.helpers import sampling
+from trainer.data.batches import SampledData, StreamedData
 from trainer.data.document_source import DocumentSource, StreamSource
 from trainer.data.factory import source_of
 from trainer.data.image_source import ImageSource
@@ -52,7 +53,7 @@ def test_the_sources_check_their_own_settings() -> None:
         TokenSource("bytes").check_files(DataConfig(), model)
 
 
-SAMPLING = Sampling(rank=1, world_size=2, micro_batch_size=2, grad_accum=3, seed=7,
+SAMPLING = sampling(rank=1, world_size=2, micro_batch_size=2, grad_accum=3, seed=7,
                     eval_batches=2)
 
 

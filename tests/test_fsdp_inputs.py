@@ -8,6 +8,7 @@ from torch import nn
 
 from checkpointing.plan import make_plan
 from sharding.fsdp import apply_fsdp, build_mesh, mixed_precision
+from sharding.layout import mesh_layout
 
 DIM, VOCAB = 8, 32
 
@@ -48,7 +49,7 @@ def test_blocks_cast_their_hidden_state_and_keep_float32_rope(world_of_one) -> N
     model = Model()
     blocks = list(model.layers)
     plan = make_plan(["layers.0", "layers.1"], ["none", "none"], shard=True)
-    apply_fsdp(model, blocks, plan, build_mesh("fsdp", "cpu", 1, 1),
+    apply_fsdp(model, blocks, plan, build_mesh(mesh_layout("fsdp", 1), "cpu"),
                mixed_precision("bfloat16", "float32"), reshard_after_forward=True)
     out = model(torch.randint(0, VOCAB, (2, 5)))
     out.float().square().mean().backward()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpointing.meter import SavedBytesMeter
-from tests.helpers import config
+from tests.helpers import config, layout_of
 from trainer import build
 from trainer.distenv import read_env
 from trainer.loop import step_seconds
@@ -37,16 +37,16 @@ def test_blocks_are_profiled_in_the_param_dtype(world_of_one, monkeypatch) -> No
     monkeypatch.setattr(build, "profile_blocks", spy)
     cfg = config(*TINY, "checkpointing=full", "checkpointing.profile=true", "sharding=fsdp",
                  "sharding.param_dtype=bfloat16")
-    built = build.build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    built = build.build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter())
     assert seen == [{torch.bfloat16}]
     assert {p.dtype for p in built.model.parameters()} == {torch.float32}
     seen.clear()
-    build.build_model(config(*TINY, "checkpointing=full", "checkpointing.profile=true"),
-                      read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    plain = config(*TINY, "checkpointing=full", "checkpointing.profile=true")
+    build.build_model(plain, read_env("cpu"), layout_of(plain), meter=SavedBytesMeter())
     assert seen == [{torch.float32}]  # no mixed precision: the model as it is
     seen.clear()
-    build.build_model(config(*TINY, "checkpointing=full"), read_env("cpu"), replicate=1,
-                      meter=SavedBytesMeter())
+    fixed = config(*TINY, "checkpointing=full")
+    build.build_model(fixed, read_env("cpu"), layout_of(fixed), meter=SavedBytesMeter())
     assert seen == []  # a fixed policy is not timed unless asked
 
 

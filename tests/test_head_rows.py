@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from checkpointing.head import ROW_MULTIPLE, supervised_rows
 from tests.dist import spawn
-from tests.helpers import config
+from tests.helpers import config, layout_of
 from trainer.config import CheckpointingConfig, ModelConfig
 from trainer.models.families import family_named
 from trainer.models.llama import IGNORE_INDEX, LlamaArgs, build_llama
@@ -137,7 +137,7 @@ def _policy_steps(overrides: list[str], loss_fn, tmp_path):
     cfg = config(*SMALL, f"data.seq_len={SEQ}", f"model.vocab_size={VOCAB}", *overrides)
     meter = SavedBytesMeter()
     torch.manual_seed(7)
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=str(tmp_path))
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=meter, run_dir=str(tmp_path))
     losses, grads, _ = train_steps(built, meter, cfg.optim, 2, 0, _chat_batch, loss_fn)
     return losses, grads, built.compiled_blocks
 

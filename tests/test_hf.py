@@ -12,7 +12,7 @@ from checkpointing.meter import SavedBytesMeter  # noqa: E402
 from trainer.distenv import init_distributed, read_env, shutdown  # noqa: E402
 from tests.checkpoint_harness import assert_policies_bitwise, batch, train_steps  # noqa: E402
 from tests.dist import spawn  # noqa: E402
-from tests.helpers import config  # noqa: E402
+from tests.helpers import config, layout_of  # noqa: E402
 from trainer.build import build_model  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.validate import validate  # noqa: E402
@@ -36,7 +36,7 @@ def _train_steps(arch: str, overrides: list[str], steps: int = 3, rank: int = 0)
     cfg = config(*SMALL, arch, *overrides)
     meter = SavedBytesMeter()
     torch.manual_seed(7 + rank)  # dropout masks: the same sequence for every policy
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter)
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=meter)
     losses, grads, _ = train_steps(built, meter, cfg.optim, steps, rank)
     return losses, grads, [p.recompute for p in built.plan], meter.peak
 
@@ -99,7 +99,7 @@ def _tiny_llama_folder(folder) -> "torch.nn.Module":
 def _logits_of_loaded(rank: int, world_size: int, folder: str, tokens: torch.Tensor):
     cfg = config("model=hf", f"model.path={folder}", "data.seq_len=64",
                  "train.micro_batch_size=4", "checkpointing=full")
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter())
     built.model.eval()
     with torch.no_grad():
         return built.model(tokens)
@@ -150,7 +150,7 @@ def _random_init_logits(tokens: torch.Tensor) -> torch.Tensor:
 def _frozen_fine_tune(rank: int, world_size: int):
     cfg = config(*SMALL, LLAMA, "checkpointing=full",
                  "model.freeze=[hf.model.embed_tokens.*,hf.model.layers.0.*]")
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter())
     before = {n: p.full_tensor().clone() for n, p in built.model.named_parameters()}
     optimizer = build_optimizer(built.model, cfg.optim)
     for step in range(2):
@@ -178,7 +178,7 @@ def test_freeze_pattern_that_matches_nothing_names_the_setting() -> None:
     cfg = config(*SMALL, LLAMA, "model.freeze=[model.layers.*]")
     with pytest.raises(ConfigError, match=r"model.freeze: 'model.layers.\*' matches no "
                                           r"parameter; names look like hf.model.embed_tokens"):
-        build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+        build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter())
 
 
 def test_attn_implementation_reaches_the_hf_model() -> None:

@@ -142,7 +142,7 @@ def test_images_follow_the_pretrained_models_preprocessing(tmp_path) -> None:
     from transformers import ViTImageProcessor
 
     from trainer.config import DataConfig
-    from trainer.data.batches import Sampling
+    from tests.helpers import sampling
     from trainer.data.factory import source_of
     from trainer.models.families import family_of
     from trainer.validate import model_facts
@@ -155,7 +155,7 @@ def test_images_follow_the_pretrained_models_preprocessing(tmp_path) -> None:
     for path, mean in ((str(folder), 0.5), (None, None)):
         model = config("model=hf_vision", "model.image_size=32", "model.num_classes=2",
                        f"model.path={path}" if path else f"model.hf_config={VIT}").model
-        train, _ = source_of(data).datasets(data, model_facts(model), Sampling(0, 1, 1, 1, 0, 1),
+        train, _ = source_of(data).datasets(data, model_facts(model), sampling(0, 1, 1, 1),
                                             family_of(model).image_preprocessing(model))
         image, _ = train[0]
         if mean is not None:

@@ -12,7 +12,7 @@ from checkpointing.meter import SavedBytesMeter
 from trainer.distenv import init_distributed, read_env, shutdown
 from tests.checkpoint_harness import POLICIES, SMALL, train_steps
 from tests.dist import spawn
-from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer
+from tests.helpers import QUICK, check_ok, config, read_metrics, run_trainer, layout_of
 from trainer.build import build_model
 
 TARGETS = ("none", "cpu", "disk")
@@ -22,7 +22,7 @@ def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
     cfg = config(*SMALL, "offload.min_bytes=0", "offload.keep_last=1", *overrides)
     meter = SavedBytesMeter()
     torch.manual_seed(7 + rank)
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter, run_dir=run_dir)
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=meter, run_dir=run_dir)
     losses, grads, offloaded = train_steps(built, meter, cfg.optim, steps, rank)
     return losses, grads, meter.peak, offloaded, [p.recompute for p in built.plan]
 

@@ -15,7 +15,7 @@ import torch
 
 from checkpointing.meter import SavedBytesMeter
 from tests.checkpoint_harness import train_steps
-from tests.helpers import config, preset
+from tests.helpers import config, preset, layout_of
 from trainer.build import build_model, build_on_meta, init_params, materialize
 from trainer.distenv import read_env
 from trainer.models.llama import (IGNORE_INDEX, build_llama, lm_loss, next_token_loss, rope_at,
@@ -190,7 +190,7 @@ def _packed_steps(overrides: list[str]):
                  "checkpointing.profile_repeats=1", *overrides)
     meter = SavedBytesMeter()
     torch.manual_seed(7)  # dropout masks: the same sequence for every policy
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter)
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=meter)
     positions = _packed_batch(0, 0)[2]
 
     def packed_loss(model, inputs, targets):

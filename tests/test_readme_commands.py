@@ -101,7 +101,7 @@ def test_readme_command_validates(page: str, line: int, command: str, shown: str
             pytest.skip("the Slurm error shown depends on the cluster it runs against")
         err = io.StringIO()
         with redirect_stderr(err):
-            status = cli.preflight(jobs[0], env)
+            status = cli.check_command(jobs[0], env)
         printed = err.getvalue().strip()
         assert status == 2, printed
         if shown.endswith("(...)"):  # README cut the rest of the line

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpointing.meter import SavedBytesMeter
 from tests.dist import spawn
-from tests.helpers import config
+from tests.helpers import config, layout_of
 from trainer.build import build_model
 from trainer.distenv import read_env
 from trainer.observe.livebytes import LiveTensorBytes
@@ -28,7 +28,7 @@ MODEL = ["model=tiny", f"model.n_layers={LAYERS}", "model.vocab_size=4096", "mod
 
 def _measure(rank: int, world_size: int, reshard: bool) -> dict:
     cfg = config(*MODEL, f"sharding.reshard_after_forward={str(reshard).lower()}")
-    model = build_model(cfg, read_env("cpu"), replicate=1, meter=SavedBytesMeter()).model
+    model = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter()).model
     gathered: list[int] = []
     all_gather = dist.all_gather_single  # what FSDP2's default all-gather calls
 

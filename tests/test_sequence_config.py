@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from checkpointing.plan import BlockPlan, describe, plan_table, plan_to_json, with_tiles
-from tests.helpers import REPO, config, subprocess_env
+from sharding.layout import mesh_layout
+from tests.helpers import REPO, config, sampling, subprocess_env
 from trainer.cli import check
 from trainer.config import ConfigError
-from trainer.data.batches import Sampling
 from trainer.models.families import family_named
 from trainer.preflight.precheck import deep_check
 
@@ -68,7 +68,9 @@ def test_good_settings_pass_and_auto_waits_for_the_planner() -> None:
     check(["sharding.sequence=2", "model.n_kv_heads=1"], {"WORLD_SIZE": "2"})  # KV repeated
     check(["sharding.sequence=2", "model=hf", HF % 2], {"WORLD_SIZE": "4"})
     _, layout = check(["sharding.sequence=auto", "checkpointing.tiles=auto"], {"WORLD_SIZE": "2"})
-    assert layout.sequence == 1  # until the planner resolves it, as micro_batch_size=auto
+    assert layout.sequence == "auto" and layout.pending == ("sharding.sequence",)
+    with pytest.raises(ValueError, match="^sharding.sequence: auto is chosen"):
+        layout.data_size  # nothing splits the ranks by a degree not chosen yet
 
 
 def test_the_global_batch_counts_samples_once() -> None:
@@ -111,7 +113,7 @@ def test_the_meta_checks_name_the_key() -> None:
     m = config("model=hf", "model.hf_config={model_type: llama, vocab_size: 64, hidden_size: 32, "
                "intermediate_size: 48, num_hidden_layers: 2}", "sharding.sequence=8",
                "data.seq_len=64")  # transformers' default: 32 heads, KV heads as many
-    deep_check(m)
+    deep_check(m, mesh_layout("fsdp", 8, sequence=8))
     with pytest.raises(ConfigError, match=r"^sharding.sequence: 3 must divide the model's "
                                           r"attention heads \(32\)"):
         family_named("hf").check_sequence_parallel(m.model, 3)
@@ -175,22 +177,22 @@ def test_a_plan_file_keeps_its_own_tiles(tmp_path) -> None:
 
 def test_a_sequence_group_slices_the_same_samples() -> None:
     whole = [tuple(torch.arange(24).view(2, 12) + k for k in range(3))]  # inputs, targets, positions
-    pieces = [Sampling(rank, 6, 2, 1, 0, 1, sequence=3).sliced(whole) for rank in range(6)]
+    pieces = [sampling(rank, 6, 2, 1, sequence=3).sliced(whole) for rank in range(6)]
     for rank, piece in enumerate(pieces):
-        assert Sampling(rank, 6, 2, 1, 0, 1, sequence=3).data_rank == rank // 3
+        assert sampling(rank, 6, 2, 1, sequence=3).data_rank == rank // 3
         assert all(t.is_contiguous() and t.shape == (2, 4) for t in piece[0])
     for group in (0, 3):
         joined = [torch.cat([pieces[group + r][0][i] for r in range(3)], dim=1) for i in range(3)]
         assert all(torch.equal(a, b) for a, b in zip(joined, whole[0]))
-    assert Sampling(0, 6, 2, 3, 0, 1, sequence=3).global_batch_size == 12  # 2 groups x 2 x 3
-    assert Sampling(0, 6, 2, 1, 0, 1).sliced(whole) is whole
+    assert sampling(0, 6, 2, 3, sequence=3).global_batch_size == 12  # 2 groups x 2 x 3
+    assert sampling(0, 6, 2, 1).sliced(whole) is whole
 
 
 def test_a_stream_resumes_on_as_many_groups() -> None:
     from trainer.data.batches import StreamedData
 
     data = StreamedData.__new__(StreamedData)
-    data.sampling = Sampling(0, 2, 1, 1, 0, 1, sequence=2)  # 1 group of 2 ranks
+    data.sampling = sampling(0, 2, 1, 1, sequence=2)  # 1 group of 2 ranks
     data.check_resume(1, 1)  # saved by 1 rank alone: one share of the records, as now
     data.check_resume(4, 1, 4)
     with pytest.raises(ConfigError, match=r"^data.streaming: .*saved by 2 ranks with a global "

@@ -43,7 +43,7 @@ def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict
     cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
     denv = read_env("cpu")
     meter = SavedBytesMeter()
-    built = build_model(cfg, denv, layout.replicate, meter)
+    built = build_model(cfg, denv, layout, meter)
     family = family_of(cfg.model)
     tiled = sum(getattr(m, "_blocktrain_tiles", 1) > 1 for m in built.model.modules())
     if tiles > 1 and not tiled:  # as the build does

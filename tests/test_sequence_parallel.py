@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sharding.sequence import (all_to_all, build_sequence_mesh, check_degree, check_mesh_sizes,
-                               gather_sequence, heads_to_sequence, kv_repeats, sequence_slice,
-                               sequence_to_heads, ulysses_attention)
+from sharding.layout import check_mesh_sizes, mesh_layout
+from sharding.sequence import (all_to_all, build_sequence_mesh, check_degree, gather_sequence,
+                               heads_to_sequence, kv_repeats, sequence_slice, sequence_to_heads,
+                               ulysses_attention)
 from tests.dist import spawn
 from trainer.models.doc_attention import document_mask
 
@@ -80,9 +81,10 @@ def _inverse(rank: int, world: int) -> dict:
 
 
 def _mesh(rank: int, world: int) -> dict:
-    seq = build_sequence_mesh("fsdp", "cpu", world, 1, world)
+    layout = mesh_layout("fsdp", world, sequence=world)
+    seq = build_sequence_mesh(layout, "cpu")
     return {"group": dist.get_process_group_ranks(seq.group), "rank": seq.rank,
-            "data": (seq.data_rank, seq.data_size), "fsdp": seq.fsdp.mesh.tolist(),
+            "data": (layout.data_rank(rank), layout.data_size), "fsdp": seq.fsdp.mesh.tolist(),
             "fsdp_dims": seq.fsdp.mesh_dim_names, "dims": seq.mesh.mesh_dim_names}
 
 
@@ -177,11 +179,12 @@ def test_sequence_slice_and_sizes() -> None:
 
 
 def _hsdp_mesh(rank: int, world: int) -> dict:
-    seq = build_sequence_mesh("hsdp", "cpu", world, 2, 2)
+    layout = mesh_layout("hsdp", world, 2, sequence=2)
+    seq = build_sequence_mesh(layout, "cpu")
     total = torch.tensor([rank])
     dist.all_reduce(total, group=seq.group)  # the group works: the sum of its two ranks
     return {"group": dist.get_process_group_ranks(seq.group), "sum": total.item(),
-            "data": (seq.data_rank, seq.data_size), "fsdp": seq.fsdp.mesh.tolist(),
+            "data": (layout.data_rank(rank), layout.data_size), "fsdp": seq.fsdp.mesh.tolist(),
             "fsdp_dims": seq.fsdp.mesh_dim_names, "dims": seq.mesh.mesh_dim_names}
 
 

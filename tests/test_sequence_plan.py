@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import REPO, subprocess_env
 from trainer.cli import check
-from trainer.preflight.auto_plan import decide, flop_timing, sequence_shapes, table
+from trainer.preflight.auto_plan import auto_table, decide, flop_timing, sequence_shapes
 from trainer.preflight.longest import longest
 from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, Evaluator, Scenario
 from trainer.preflight.tables import host_check
@@ -37,7 +37,7 @@ def test_auto_takes_the_fewest_tiles_that_fit_and_says_why_for_the_rest() -> Non
     assert decision.tiles == 4 and all(p.tiles == 4 for p in decision.plan)
     refused = [c for c in decision.candidates if c.plan == "refused"]
     assert [c.tiles for c in refused] == [1, 2] and all("least" in c.why for c in refused)
-    assert "refused" not in table(decision).splitlines()[1] and "4" in table(decision)
+    assert "refused" not in auto_table(decision).splitlines()[1] and "4" in auto_table(decision)
 
 
 def test_auto_sequence_degrees_divide_the_world_and_the_length() -> None:
@@ -92,14 +92,20 @@ def test_host_memory_of_offloaded_activations_is_counted_and_checked() -> None:
     assert host_check(outcome, host_capacity=moved * 2)[0].startswith("host memory fits")
 
 
-def test_fit_run_hands_the_build_a_concrete_degree_and_tile_count() -> None:
+def test_auto_hands_the_build_a_concrete_degree_and_tile_count() -> None:
     from trainer.preflight.auto_plan import Decision
     from trainer.preflight.auto_run import chosen_config
 
-    scenario = _scenario(TINY + ["checkpointing.tiles=auto", "sharding.sequence=auto"])
-    decision = Decision(1, 1, [], 0, 0, 0.0, [], sequence=2, tiles=8)
+    scenario = _scenario(TINY + ["checkpointing.tiles=auto", "sharding.sequence=auto",
+                                 "train.global_batch_size=4"], world=2)
+    decision = Decision(1, 4, [], 0, 0, 0.0, [], sequence=2, tiles=8)
     cfg = chosen_config(scenario.cfg, decision)
     assert (cfg.sharding.sequence, cfg.checkpointing.tiles, cfg.train.micro_batch_size) == (2, 8, 1)
+    # What splits the work is the new layout auto's choice makes, not the one validation made.
+    layout = scenario.layout.decided(decision.sequence, decision.micro_batch)
+    assert scenario.layout.pending == ("sharding.sequence",)
+    assert (layout.degree, layout.data_size, layout.grad_accum, layout.global_batch_size) == (
+        2, 1, 4, 4)
 
 
 @pytest.mark.parametrize("flag, value", [("--host-memory-gib", "0"), ("--longest-step", "0")])

@@ -100,7 +100,8 @@ def _stream_counts(rank: int, world: int) -> dict:
     """A stream's counts summed over a sequence group of 2: each sample once."""
     import numpy as np
 
-    from trainer.data.batches import Sampling, StreamedData
+    from tests.helpers import sampling
+    from trainer.data.batches import StreamedData
     from trainer.data.tokens import WindowDataset
     from trainer.faults import TimeoutWatchdog
 
@@ -110,7 +111,7 @@ def _stream_counts(rank: int, world: int) -> dict:
             return [(row, row + 1, row)], (5, 8)  # this group's windows' counts
 
     data = StreamedData(Stream(), WindowDataset(np.arange(100), 8),
-                        Sampling(rank, world, 1, 1, 0, 1, sequence=world), 0,
+                        sampling(rank, world, 1, 1, sequence=world), 0,
                         torch.device("cpu"), TimeoutWatchdog(rank, 60))
     try:
         batches, counts = data.batch(0)

@@ -1,12 +1,14 @@
 """Sequence tiles (checkpointing/tiles.py): a tiled MLP gives the untiled outputs and gradients,
 dropout masks survive the recompute, the whole [tokens, hidden] intermediate never exists, and
-checkpointing/tile_memory.py predicts the backward's peak; FSDP2 and DDP get the same gradients.
+the MLP's closed-form backward peak (below: the planner and the report trace the tiled code on
+meta instead) holds on CPU; FSDP2 and DDP get the same gradients.
 """
 
 from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
+from typing import Optional
 
 import pytest
 import torch
@@ -15,11 +17,47 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from checkpointing.tile_memory import mlp_backward_peak_bytes, tile_sizes
-from checkpointing.tiles import tile_module, tiled
+from checkpointing.tiles import tile_module, tile_sizes, tiled
 from tests.dist import spawn
 
 DIM, HIDDEN = 8, 64
+
+# An MLP's backward in numbers, the closed form this file holds to CPU. The [tokens, hidden]
+# tensors alive at the peak of its recompute-and-backward (torch 2.13, CPU, fp32 and bf16):
+#   gated (SwiGLU, w2(act(w1 x) * w3 x)): six: w1 x, w3 x, act(w1 x) and their product, saved
+#     by the recompute, with the gradients of the product and of one factor.
+#   plain (w2(act(w1 x))): three: w1 x and act(w1 x), saved, with the gradient of the second.
+HIDDEN_COPIES = {"gated": 6, "plain": 3}
+WEIGHTS = {"gated": 3, "plain": 2}  # [dim, hidden] weight matrices
+
+
+def mlp_backward_peak_bytes(batch: int, seq_len: int, dim: int, hidden: int, itemsize: int,
+                            tiles: int = 1, kind: str = "gated",
+                            grad_itemsize: Optional[int] = None) -> int:
+    """Peak bytes an MLP's backward adds to what exists before it (its saved input, the output
+    gradient, the weights) when it keeps only its input and recomputes; as measured on CPU
+    below, where tokens far outnumber `dim` (the long sequences tiles are for).
+
+    tiles=1: the whole [tokens, hidden] intermediates at once (a checkpointed MLP), its input
+    gradient and the first weight gradient formed.
+    tiles=n: the intermediates of the longest tile; that tile's input gradient beside copies of
+    its input and output-gradient slices when batch > 1 (a slice of the sequence is then not
+    contiguous); the whole input gradient being written tile by tile; the
+    weight gradients' running sums (float32 for 16-bit weights) and two fresh tile gradients.
+    grad_itemsize: bytes per element of the weight gradients (default: itemsize).
+    """
+    if kind not in HIDDEN_COPIES:
+        raise ValueError(f"MLP kind {kind!r}: use one of {sorted(HIDDEN_COPIES)}")
+    tokens, longest = batch * seq_len, batch * max(tile_sizes(seq_len, tiles))
+    grad_itemsize = grad_itemsize or itemsize
+    weight = dim * hidden
+    intermediates = HIDDEN_COPIES[kind] * longest * hidden * itemsize
+    if tiles == 1:
+        return intermediates + tokens * dim * itemsize + weight * grad_itemsize
+    sum_itemsize = 4 if grad_itemsize < 4 else grad_itemsize
+    tile_rows = 3 if batch > 1 else 1
+    return (intermediates + tile_rows * longest * dim * itemsize + tokens * dim * itemsize
+            + WEIGHTS[kind] * weight * sum_itemsize + 2 * weight * grad_itemsize)
 
 
 class MLP(nn.Module):

@@ -137,7 +137,7 @@ def test_images_follow_the_timm_models_pretrained_config(tmp_path) -> None:
     from PIL import Image
 
     from trainer.config import DataConfig
-    from trainer.data.batches import Sampling
+    from tests.helpers import sampling
     from trainer.data.factory import source_of
     from trainer.models.families import family_of
     from trainer.validate import model_facts
@@ -148,7 +148,7 @@ def test_images_follow_the_timm_models_pretrained_config(tmp_path) -> None:
     pixels, data = one_image_per_class(tmp_path)
     model = config("model=timm", f"model.timm_args={TINY}", "model.image_size=32",
                    "model.patch_size=8", "model.num_classes=2").model
-    train, _ = source_of(data).datasets(data, model_facts(model), Sampling(0, 1, 1, 1, 0, 1),
+    train, _ = source_of(data).datasets(data, model_facts(model), sampling(0, 1, 1, 1),
                                         family_of(model).image_preprocessing(model))
     image, _ = train[0]
     expected = (pixels.astype(np.float32) / 255.0 - 0.5) / 0.5  # 32 px: no resize

@@ -10,7 +10,7 @@ from checkpointing.meter import SavedBytesMeter
 from trainer.distenv import read_env
 from tests.checkpoint_harness import assert_policies_bitwise, train_steps
 from tests.dist import spawn
-from tests.helpers import config
+from tests.helpers import config, layout_of
 from trainer.build import build_model
 from trainer.models.vit import classification_loss
 
@@ -35,7 +35,7 @@ def _run(overrides: list[str], steps: int, rank: int):
     cfg = config(*overrides)
     meter = SavedBytesMeter()
     torch.manual_seed(7 + rank)  # dropout masks: the same sequence for every policy
-    built = build_model(cfg, read_env("cpu"), replicate=1, meter=meter)
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=meter)
     losses, grads, _ = train_steps(built, meter, cfg.optim, steps, rank,
                                    make_batch=lambda s, r: image_batch(cfg, s, r),
                                    loss_fn=classification_loss)
@@ -242,7 +242,8 @@ def test_synthetic_images_depend_only_on_seed_stream_and_index() -> None:
 def _loaded_params(rank: int, world_size: int, overrides: list[str]) -> dict:
     from checkpointing.blocks import canonical_name
 
-    built = build_model(config(*overrides), read_env("cpu"), replicate=1, meter=SavedBytesMeter())
+    built = build_model(config(*overrides), read_env("cpu"), layout_of(config(*overrides)),
+                        meter=SavedBytesMeter())
     return {canonical_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
             for n, p in built.model.named_parameters()}
 

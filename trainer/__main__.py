@@ -158,7 +158,7 @@ def _exit_now(status: int) -> None:
 def main() -> None:
     argv = sys.argv[1:]
     try:
-        if cli.preflight(argv):
+        if cli.check_command(argv):
             cli.exit_after_error()
         register_schema()
         register_resolver()

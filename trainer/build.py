@@ -40,7 +40,7 @@ from sharding.fsdp import DTYPES
 from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
 from trainer.models.families import family_of
 from trainer.task import task_for
-from trainer.validate import sequence_degree
+from sharding.layout import Layout
 
 log = logging.getLogger("trainer")
 # Policies whose plan follows from the block count alone: timing the blocks is optional.
@@ -249,12 +249,13 @@ def _offload_cost(cfg: Config, denv: DistEnv, run_dir: str) -> Optional[OffloadC
     return OffloadCost(o.target, payload[0], o.min_bytes, o.keep_last)
 
 
-def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMeter,
+def build_model(cfg: Config, denv: DistEnv, layout: Layout, meter: SavedBytesMeter,
                 run_dir: Optional[str] = None,
                 decided: Optional[tuple[list[BlockPlan], Optional[list[BlockProfile]]]] = None
                 ) -> Built:
     """Meta model -> blocks -> plan -> per block: checkpoint, offload hooks, compile, shard ->
-    root -> real. decided: the plan (and its profiles) checkpointing=auto chose."""
+    root -> real. layout: the run's (validation's, or auto's once it chose); decided: the plan
+    (and its profiles) checkpointing=auto chose."""
     started = time.perf_counter()
     model = build_on_meta(cfg.model)
     flops = family_of(cfg.model).flops_per_token(
@@ -299,11 +300,7 @@ def build_model(cfg: Config, denv: DistEnv, replicate: int, meter: SavedBytesMet
     if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
         log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "
                     "gradients and optimizer state already live in CPU memory; nothing to move")
-    if cfg.sharding.sequence == "auto":
-        raise ConfigError("sharding.sequence", "auto is chosen by the planner before the build "
-                          "(checkpointing=auto or train.micro_batch_size=auto); set a degree")
-    mesh, group = sharding_mesh(cfg.sharding.mode, denv, replicate,
-                                sequence_degree(cfg.sharding.sequence))
+    mesh, group = sharding_mesh(layout, denv)
     if group is not None:  # the blocks' attention runs over the group's whole sequences
         family_of(cfg.model).sequence_parallel(model, group)
     if mesh is not None:
@@ -334,18 +331,16 @@ def run_tiles(plan: list[BlockPlan], c: CheckpointingConfig,
     return with_tiles(plan, c.tiles)
 
 
-def sharding_mesh(mode: str, denv: DistEnv, replicate: int, degree: int
+def sharding_mesh(layout: Layout, denv: DistEnv
                   ) -> tuple[Optional[object], Optional[dist.ProcessGroup]]:
-    """(the mesh fully_shard gets, the sequence group or None). With sharding.sequence=N > 1,
+    """(the mesh fully_shard gets, the sequence group or None). With a sequence degree N > 1,
     the mesh of sharding/sequence.py: FSDP still shards over every rank, sequence ranks
-    included, and adjacent ranks share each sample (the Data slices it the same way)."""
-    if degree == 1:
-        return fsdp.build_mesh(mode, denv.device.type, denv.world_size, replicate), None
+    included, and adjacent ranks share each sample, as the layout says (the Data reads so)."""
+    if layout.degree == 1:
+        return fsdp.build_mesh(layout, denv.device.type), None
     from sharding.sequence import build_sequence_mesh
 
-    seq = build_sequence_mesh(mode, denv.device.type, denv.world_size, replicate, degree)
-    # The Data gives rank r slice r % N of its group's samples: the mesh must agree.
-    assert (seq.rank, seq.data_rank) == (denv.rank % degree, denv.rank // degree), seq
+    seq = build_sequence_mesh(layout, denv.device.type)
     return seq.fsdp, seq.group
 
 

@@ -14,7 +14,8 @@ import sys
 from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
-from trainer.validate import Layout, check_writable, validate  # noqa: F401
+from sharding.layout import Layout
+from trainer.validate import check_writable, validate  # noqa: F401
 from trainer.state.rundir import register_resolver
 
 USAGE_ERROR = 2
@@ -193,7 +194,7 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
-def preflight(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
+def check_command(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
     """0 when the command line is good (or is a Hydra flag we leave to Hydra), else 2.
 
     A `-m` sweep is checked job by job before the first one starts: a typo in the last job must

@@ -336,6 +336,11 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+def tile_count(c: CheckpointingConfig) -> int:
+    """checkpointing.tiles as a number (`auto` before auto has chosen: 1)."""
+    return 1 if c.tiles in (None, "auto") else int(c.tiles)
+
+
 def register_schema() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
 

@@ -38,8 +38,8 @@ from trainer.data.factory import open_data
 from trainer.distenv import DistEnv, init_distributed, mean_and_sums, read_env, shutdown
 from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSignal, StopVote,
                             TimeoutWatchdog, Verdict, injected_loss)
-from trainer.preflight.auto_plan import fitting, rows as fit_rows, table as fit_table
-from trainer.preflight.auto_run import DECISION_FILE as FIT_FILE, fit_run
+from trainer.preflight.auto_plan import auto_decides, auto_rows, auto_table
+from trainer.preflight.auto_run import AUTO_FILE, run_auto
 from trainer.models.families import family_of
 from trainer.models.llama import lm_loss
 from trainer.observe.dashboard import end_of_run, start_logging, start_of_run
@@ -55,7 +55,8 @@ from trainer.state.rollback import Rollback
 from trainer.state.save_errors import SaveFailed
 from trainer.state.schedule import SaveSchedule
 from trainer.task import task_for, with_head_share
-from trainer.validate import Layout, model_facts
+from sharding.layout import Layout
+from trainer.validate import model_facts
 
 log = logging.getLogger("trainer")
 INTERRUPTED_EXIT = 130  # the shell's status for a command stopped by Ctrl-C
@@ -181,14 +182,6 @@ def train(cfg: Config, layout: Layout, run_dir: str, keep_process_group: bool = 
     return status
 
 
-def _readers(layout: Layout) -> str:
-    """Who reads each global batch: the ranks, or their sequence groups (sharding.sequence)."""
-    if layout.sequence == 1:
-        return f"ranks {layout.world_size}"
-    return (f"sequence groups {layout.data_size} of {layout.sequence} ranks, each rank "
-            f"1/{layout.sequence} of every sample's tokens")
-
-
 def _checkpoint_dir(cfg: Config, run_dir: str) -> str:
     return cfg.save.dir or os.path.join(run_dir, "checkpoints")
 
@@ -202,13 +195,13 @@ class Trainer:
         decision = None
         # The share of supervised rows the head is planned for: the prepared cache's, if any.
         cfg, self.head_note = with_head_share(cfg)
-        if fitting(cfg):  # checkpointing=auto or micro_batch_size=auto: decide, then build
-            cfg, layout, decision = fit_run(cfg, layout, denv, run_dir, denv.local_world_size)
+        if auto_decides(cfg, layout):  # auto decides the plan, tiles, micro-batch or degree first
+            cfg, layout, decision = run_auto(cfg, layout, denv, run_dir, denv.local_world_size)
         self.cfg, self.layout, self.run_dir, self.denv = cfg, layout, run_dir, denv
         self.device, t, lg = denv.device, cfg.train, cfg.logging
         meter = SavedBytesMeter()  # what the forwards keep on the device for backward
         self.built = built = build_model(
-            cfg, denv, layout.replicate, meter, run_dir,
+            cfg, denv, layout, meter, run_dir,
             None if decision is None else (decision.plan, decision.profiles))
         built.decision = decision
         # What run() closes on every way out, the last made first; here if a part fails.
@@ -227,8 +220,7 @@ class Trainer:
                                              self.device, dataclasses.asdict(cfg.model))
             self.watchdog = TimeoutWatchdog(denv.rank, t.dist_timeout_s)
             self.data = open_data(cfg.data, model_facts(cfg.model), Sampling(
-                denv.rank, denv.world_size, t.micro_batch_size, layout.grad_accum, t.seed,
-                t.eval_batches, preparer=denv.local_rank == 0, sequence=layout.sequence),
+                denv.rank, layout, t.seed, t.eval_batches, preparer=denv.local_rank == 0),
                 family_of(cfg.model).image_preprocessing(cfg.model), self.device, self.watchdog)
             self.closing.callback(self.data.close)
             # Under torchrun, a worker whose agent was killed (kill -9 leaves no one to stop
@@ -349,17 +341,16 @@ class Trainer:
         if d is not None:
             when = "as decided at the first start: " if d.reused else "saved in "
             self.logger.table(
-                "auto_candidates", f"fitting {d.capacity / 2**30:.2f} GiB per rank: micro-batch "
-                f"{d.micro_batch}, predicted peak {d.peak_bytes / 2**30:.3f} GiB, step "
-                f"{d.step_s:.4f} s ({when}{FIT_FILE}); candidates", fit_table(d), fit_rows(d))
-        t = cfg.train
+                "auto_candidates", f"auto within {d.capacity / 2**30:.2f} GiB per rank: "
+                f"micro-batch {d.micro_batch}, predicted peak {d.peak_bytes / 2**30:.3f} GiB, step "
+                f"{d.step_s:.4f} s ({when}{AUTO_FILE}); candidates", auto_table(d), auto_rows(d))
         num_params = sum(p.numel() for p in self.model_state.model.parameters())
         self.logger.info(
-            f"world {denv.world_size} ({cfg.sharding.mode}, replicate {layout.replicate} x shard "
+            f"world {denv.world_size} ({layout.mode}, replicate {layout.replicate} x shard "
             f"{layout.shard}) on {self.device.type}; {num_params / 1e6:.2f}M parameters; plan: "
             f"{describe(plan)}; global batch {layout.global_batch_size} x "
-            f"{self.task.tokens_per_sample} tokens (micro {t.micro_batch_size} x accum "
-            f"{layout.grad_accum} x {_readers(layout)}); run dir {self.run_dir}")
+            f"{self.task.tokens_per_sample} tokens (micro {layout.micro_batch_size} x accum "
+            f"{layout.grad_accum} x {layout.readers()}); run dir {self.run_dir}")
 
     def _stop(self, step: int, reason: str) -> int:
         """After the save of a stopping step: the exit status, and a marker a launcher reads."""

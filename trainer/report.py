@@ -80,15 +80,16 @@ def output_dir(args: argparse.Namespace, cfg) -> str:
     return out
 
 
-def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
+def capacity_bytes(args: argparse.Namespace, cfg, layout) -> Optional[int]:
     """train.memory_gib, else --gpu-memory-gib or the visible CUDA device, less
     train.memory_reserve_gib when auto fits or --longest searches (as the trainer's auto keeps
     it on CUDA: trainer/preflight/auto_run.capacity_of)."""
-    from trainer.preflight.auto_plan import fitting
+    from trainer.preflight.auto_plan import auto_decides
 
     if cfg.train.memory_gib is not None:
         return int(cfg.train.memory_gib * GIB)
-    reserve = int(cfg.train.memory_reserve_gib * GIB) if fitting(cfg) or args.longest else 0
+    decides = auto_decides(cfg, layout)
+    reserve = int(cfg.train.memory_reserve_gib * GIB) if decides or args.longest else 0
     if args.gpu_memory_gib is not None:
         total = int(args.gpu_memory_gib * GIB)
     else:
@@ -105,9 +106,9 @@ def capacity_bytes(args: argparse.Namespace, cfg) -> Optional[int]:
 
 def predict(scenario, evaluator, capacity: Optional[int], tflops: float):
     """(outcome, auto's decision or None) of one configuration, as the trainer would plan it."""
-    from trainer.preflight.auto_plan import at_decision, decide, fitting, flop_timing
+    from trainer.preflight.auto_plan import at_decision, auto_decides, decide, flop_timing
 
-    if not fitting(scenario.cfg):
+    if not auto_decides(scenario.cfg, scenario.layout):
         return evaluator.evaluate(scenario), None
     if capacity is None:
         raise ConfigError("--gpu-memory-gib", "auto (checkpointing, micro-batch, tiles or "
@@ -157,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from trainer.preflight.plot import plot_plan
     from trainer.preflight.timeline import picture_line
     from checkpointing.planner.policies import BudgetError
-    from trainer.preflight.auto_plan import rows as fit_rows, table as fit_table
+    from trainer.preflight.auto_plan import auto_rows, auto_table
     from trainer.preflight.scenario import Evaluator, Scenario, device_type_of
     from trainer.preflight.tables import host_check
 
@@ -169,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     host = None if args.host_memory_gib is None else int(args.host_memory_gib * GIB)
     tried = None
     try:
-        capacity = capacity_bytes(args, cfg)
+        capacity = capacity_bytes(args, cfg, layout)
         if args.longest:
             outcome, decision, tried = predict_longest(scenario, evaluator, capacity, host,
                                                        args.tflops, args.longest_step)
@@ -188,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if decision is not None:
         print(f"auto: micro-batch {decision.micro_batch} (grad_accum {decision.grad_accum}), "
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
-              "its device); candidates:\n" + fit_table(decision) + "\n")
+              "its device); candidates:\n" + auto_table(decision) + "\n")
     print(table(outcome, args.tflops))
     if head_note is not None:
         print(f"head: {cfg.checkpointing.head}, {head_note}")
@@ -215,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "auto": None if decision is None else {
                 "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
                 "sequence": decision.sequence, "tiles": decision.tiles,
-                "predicted_step_s": decision.step_s, "candidates": fit_rows(decision)}}
+                "predicted_step_s": decision.step_s, "candidates": auto_rows(decision)}}
     with open(os.path.join(out, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
@@ -224,11 +225,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def longest_line(outcome, tried) -> str:
     """'longest: data.seq_len=... fits: ... tokens per rank, ... per node (lengths tried)'."""
-    from trainer.preflight.degrees import sequence_degree, tile_count
+    from trainer.config import tile_count
 
     sc = outcome.scenario
-    seq_len, micro = sc.cfg.data.seq_len, sc.cfg.train.micro_batch_size
-    degree, tiles = sequence_degree(sc.cfg), tile_count(sc.cfg)
+    seq_len, micro = sc.cfg.data.seq_len, sc.layout.micro_batch_size
+    degree, tiles = sc.layout.degree, tile_count(sc.cfg.checkpointing)
     per_rank = seq_len * micro // degree
     return (f"longest: data.seq_len={seq_len} fits (sharding.sequence={degree}, "
             f"checkpointing.tiles={tiles}, micro-batch {micro}): {per_rank:,} tokens per rank, "

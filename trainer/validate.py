@@ -4,7 +4,6 @@ data-parallel layout against the world size. Each failure is a `ConfigError` nam
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Config, ConfigError,
@@ -12,23 +11,7 @@ from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Confi
 from trainer.data.base import ModelFacts
 from trainer.data.factory import source_of
 from trainer.models.families import Family, family_of
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What validation derives from the config and the world: the data-parallel layout."""
-
-    world_size: int
-    replicate: int  # HSDP replica groups (1 for fsdp / none)
-    shard: int  # ranks a parameter is sharded over
-    grad_accum: int
-    global_batch_size: int  # samples per optimizer step (a sequence group's counts once)
-    sequence: int = 1  # ranks sharing each sample (sharding.sequence; 1 until auto resolves it)
-
-    @property
-    def data_size(self) -> int:
-        """How many shares of each global batch the ranks read: world size / sequence."""
-        return self.world_size // self.sequence
+from sharding.layout import Layout, LayoutError, make_layout
 
 
 def _get(cfg: Config, key: str):
@@ -63,12 +46,13 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     """Checks every value a type cannot, against the world this run will have; the first
     mistake found (in this order) is the one reported."""
     _check_ranges(cfg)
-    _check_fitting(cfg.train, cfg.checkpointing.policy, cfg.logging.live_bytes_step)
+    _check_auto(cfg.train, cfg.checkpointing.policy, cfg.logging.live_bytes_step)
     _check_checkpointing(cfg.checkpointing, cfg.train.compile)
     _check_run_control(cfg)
     _check_model_and_data(cfg)
     layout = _layout(cfg, world_size, num_nodes)
-    _check_tiles(cfg, layout.sequence)
+    _check_sequence(cfg, layout)
+    _check_tiles(cfg, layout.least_degree)
     return layout
 
 
@@ -76,31 +60,12 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def sequence_degree(value) -> int:
-    """sharding.sequence as a number: 1 while it is `auto` (the planner resolves it before the
-    build, as it resolves train.micro_batch_size=auto)."""
-    return value if _is_count(value) else 1
-
-
-def _check_sequence(cfg: Config, world_size: int, replicate: int) -> None:
-    """sharding.sequence: a count (or auto) that the sharding, the model's heads, the world
-    and data.seq_len all divide; before any process group starts."""
-    value, s = cfg.sharding.sequence, cfg.sharding
-    require(value == "auto" or _is_count(value), "sharding.sequence",
-            f"must be a positive integer or auto, got {value!r}")
-    degree = sequence_degree(value)
+def _check_sequence(cfg: Config, layout: Layout) -> None:
+    """sharding.sequence against data.seq_len (the layout has checked the sharding, the world
+    and, through the family, the model's heads)."""
+    degree = layout.least_degree
     if degree == 1:
         return
-    require(s.mode != "none", "sharding.sequence",
-            f"{degree} needs sharding=fsdp or hsdp (the sequence ranks shard the parameters "
-            "with FSDP), now sharding=none")
-    family_of(cfg.model).check_sequence(cfg.model, degree)
-    from sharding.degrees import check_mesh_sizes
-
-    try:
-        check_mesh_sizes(s.mode, world_size, replicate, degree)
-    except ValueError as exc:
-        raise ConfigError("sharding.sequence", str(exc)) from None
     require(cfg.data.seq_len % degree == 0, "sharding.sequence",
             f"{degree} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal "
             "contiguous slice of every sample")
@@ -161,7 +126,7 @@ def _check_ranges(cfg: Config) -> None:
                 f"got {value!r}; choose null or one of {', '.join(DTYPES)}")
 
 
-def _check_fitting(t: TrainConfig, policy: str, live_bytes_step: Optional[int]) -> None:
+def _check_auto(t: TrainConfig, policy: str, live_bytes_step: Optional[int]) -> None:
     """The micro-batch, the memory to fit and what `auto` needs."""
     auto_batch = t.micro_batch_size == "auto"
     require(auto_batch or (isinstance(t.micro_batch_size, int)
@@ -288,42 +253,15 @@ def model_facts(m: ModelConfig) -> ModelFacts:
 
 
 def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:
-    """The data-parallel layout: replicas x shards, and the gradient accumulation that makes
-    the global batch."""
+    """The parallel layout (sharding/layout.py): replicas x shards, sequence groups, and the
+    gradient accumulation that makes the global batch."""
     s, t = cfg.sharding, cfg.train
-    auto_batch = t.micro_batch_size == "auto"
     if s.mode == "none":
         for key in ("sharding.param_dtype", "sharding.reduce_dtype"):
             require(_get(cfg, key) is None, key, "mixed precision needs sharding=fsdp or hsdp")
-    if s.mode != "hsdp":
-        require(s.replicate is None, "sharding.replicate",
-                f"only applies to sharding=hsdp (now sharding={s.mode})")
-        replicate = 1
-    else:
-        replicate = num_nodes if s.replicate is None else s.replicate
-        require(replicate > 0, "sharding.replicate", f"must be a positive integer, got {replicate}")
-        require(world_size % replicate == 0, "sharding.replicate",
-                f"{replicate} does not divide the world size {world_size}")
-    shard = world_size // replicate if s.mode != "none" else 1
-    _check_sequence(cfg, world_size, replicate)
-
-    # micro_batch_size=auto: the layout of micro-batch 1 until preflight/auto_plan.py chooses one.
-    # A sequence group of N ranks reads one share: the global batch counts samples, once each.
-    degree = sequence_degree(s.sequence)
-    data_size = max(1, world_size // degree)
-    per_accum = (1 if auto_batch else t.micro_batch_size) * data_size
-    if t.global_batch_size is None:
-        grad_accum = t.grad_accum
-    else:
-        require(t.global_batch_size > 0, "train.global_batch_size",
-                f"must be a positive integer, got {t.global_batch_size}")
-        require(t.grad_accum == 1, "train.grad_accum",
-                "set either train.grad_accum or train.global_batch_size, not both")
-        what = "world size" if degree == 1 else f"(world size / sharding.sequence={degree})"
-        require(t.global_batch_size % per_accum == 0, "train.global_batch_size",
-                f"{t.global_batch_size} is not divisible by train.micro_batch_size x {what} "
-                f"= {t.micro_batch_size} x {data_size}")
-        grad_accum = t.global_batch_size // per_accum
-    return Layout(world_size=world_size, replicate=replicate, shard=shard,
-                  grad_accum=grad_accum, global_batch_size=per_accum * grad_accum,
-                  sequence=degree)
+    try:
+        return make_layout(s.mode, world_size, s.replicate, s.sequence, t.micro_batch_size,
+                           t.grad_accum, t.global_batch_size, num_nodes,
+                           lambda degree: family_of(cfg.model).check_sequence(cfg.model, degree))
+    except LayoutError as exc:
+        raise ConfigError(exc.key, exc.message) from None

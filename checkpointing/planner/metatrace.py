@@ -185,7 +185,7 @@ class MetaProfile:
     rest_bytes: int  # saved outside all blocks (embedding stage + head), trace_on_meta's count
     head: HeadMeasure
     # Sequence parallelism: bytes one rank sends per block forward in Ulysses' all-to-alls
-    # (sequence_trace.MetaUlysses); 0 without.
+    # (the meta exchange the caller wrapped the model's attention with); 0 without.
     sent_bytes_per_block: int = 0
 
     @property

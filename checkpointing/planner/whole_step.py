@@ -74,8 +74,9 @@ def evaluate_plan(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Set
                   step_seconds(plan, profile, setup, timing))
 
 
-def fit_plan(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Setup, timing: Timing,
-             capacity: int, shard: bool, keep_last: int, target: str = "cpu") -> Choice:
+def fastest_plan(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Setup,
+                 timing: Timing, capacity: int, shard: bool, keep_last: int,
+                 target: str = "cpu") -> Choice:
     """The plan with the least predicted step time whose predicted peak is <= capacity.
 
     Options per block are the budget planner's (checkpointing/planner/policies.block_options):

@@ -31,6 +31,7 @@ from checkpointing.plan import DEFAULT_SAVE_OPS, BlockPlan
 from checkpointing.wrap import apply_checkpointing
 from launch.bench import plain
 from sharding.fsdp import apply_fsdp, build_mesh
+from sharding.layout import mesh_layout
 from trainer.models.llama import Llama, LlamaArgs, lm_loss
 
 SHAPES = {"dim": 128, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 384, "vocab": 256}
@@ -45,7 +46,7 @@ def _both_models(a, policy: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     theirs.load_state_dict(ours.state_dict())
     plan = [BlockPlan(i, f"layers.{i}", recompute=policy) for i in range(a.layers)]
     apply_checkpointing(list(ours.layers), plan, DEFAULT_SAVE_OPS)
-    apply_fsdp(ours, list(ours.layers), plan, build_mesh("fsdp", "cpu", a.world, 1),
+    apply_fsdp(ours, list(ours.layers), plan, build_mesh(mesh_layout("fsdp", a.world), "cpu"),
                plain.MixedPrecisionPolicy(), reshard_after_forward=True)
     for i, layer in enumerate(theirs.layers):
         plain.with_recompute(layer, policy)

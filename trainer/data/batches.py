@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sharding.layout import Layout
 from sharding.sequence import sequence_slice
 from trainer.config import ConfigError
 from trainer.data.prefetch import Prefetcher
@@ -29,31 +30,44 @@ Counts = Optional[tuple[int, int]]  # (supervised targets, real tokens) of a who
 
 @dataclass(frozen=True)
 class Sampling:
-    """How this rank takes its share of every global batch."""
+    """How this rank takes its share of every global batch: where the layout places it."""
     rank: int
-    world_size: int
-    micro_batch_size: int
-    grad_accum: int
+    layout: Layout  # the run's, with its micro-batch and degree decided
     seed: int  # of the one global order of samples
     eval_batches: int  # validation micro-batches per rank
     preparer: bool = True  # this process prepares what is not cached yet (one per node)
-    # sharding.sequence: groups of this many adjacent ranks read the same samples, each its
-    # contiguous slice of every sample's tokens.
-    sequence: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.layout.micro_batch_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.layout.grad_accum
+
+    @property
+    def sequence(self) -> int:
+        """sharding.sequence: groups of this many adjacent ranks read the same samples, each
+        its contiguous slice of every sample's tokens."""
+        return self.layout.degree
 
     @property
     def data_rank(self) -> int:
         """Which share of each global batch this rank's sequence group reads."""
-        return self.rank // self.sequence
+        return self.layout.data_rank(self.rank)
 
     @property
     def data_size(self) -> int:
-        return self.world_size // self.sequence
+        return self.layout.data_size
 
     @property
     def global_batch_size(self) -> int:
         """Samples per step, each counted once (its sequence group shares it)."""
-        return self.micro_batch_size * self.grad_accum * self.data_size
+        return self.layout.global_batch_size
 
     def sliced(self, batches: list[Batch]) -> list[Batch]:
         """This rank's slice of each micro-batch (inputs, targets, and packed positions:
@@ -61,7 +75,7 @@ class Sampling:
         device. The model takes the slice's global positions (sharding.sequence's models)."""
         if self.sequence == 1:
             return batches
-        place = self.rank % self.sequence
+        place = self.layout.sequence_rank(self.rank)
         return [tuple(sequence_slice(t, place, self.sequence).contiguous() for t in batch)
                 for batch in batches]
 
@@ -167,9 +181,9 @@ class StreamedData(Data):
         if (saved_shares, saved_global_batch) != (s.data_size, s.global_batch_size):
             raise ConfigError(
                 "data.streaming", f"this run streams its data and was saved by "
-                f"{_readers(saved_world_size, saved_sequence)} with a global batch of "
+                f"{_groups_text(saved_world_size, saved_sequence)} with a global batch of "
                 f"{saved_global_batch}; a stream resumes only on the same (now "
-                f"{_readers(s.world_size, s.sequence)}, {s.global_batch_size}): start it on "
+                f"{_groups_text(s.world_size, s.sequence)}, {s.global_batch_size}): start it on "
                 f"{saved_world_size} ranks, or prepare the data once "
                 "(data.streaming=false) to resume anywhere")
 
@@ -177,7 +191,7 @@ class StreamedData(Data):
         self._ahead.close()
 
 
-def _readers(world_size: int, sequence: int) -> str:
+def _groups_text(world_size: int, sequence: int) -> str:
     if sequence == 1:
         return f"{world_size} ranks"
     return f"{world_size} ranks in groups of sharding.sequence={sequence}"

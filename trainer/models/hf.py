@@ -253,6 +253,25 @@ def _calls_attention_registry(cls: type) -> bool:
         return False
 
 
+def ulysses_options(options: dict, q_heads: int, kv_heads: int, degree: int) -> dict:
+    """HF attention's keyword arguments under Ulysses, the same for the real all-to-all and the
+    meta trace's: HF's slice-sized `attention_mask` gives way to the whole sequence's, which
+    the wrapper's forward put in the SEQUENCE_MASK kwarg (absent, as in the meta trace, or
+    None: causal over the whole sequence, SDPA's is_causal), and the slice's `position_ids` go
+    (meaningless after the all-to-all). HF repeats KV heads by the module's own group size
+    after the split, so they cannot be repeated before it: the degree must divide them."""
+    from sharding.degrees import kv_repeats
+    from trainer.models.sequence_parallel import SEQUENCE_MASK
+
+    if kv_repeats(q_heads, kv_heads, degree) > 1:
+        raise ValueError(f"sequence degree {degree} must divide the model's KV heads "
+                         f"{kv_heads} for an HF model")
+    options = dict(options)
+    options["attention_mask"] = options.pop(SEQUENCE_MASK, None)
+    options.pop("position_ids", None)
+    return options
+
+
 def hf_attention_modules(hf_model: nn.Module) -> list[nn.Module]:
     """The modules of an HF model that call the registry's attention, in forward order."""
     return [m for m in hf_model.modules() if _calls_attention_registry(type(m))]

@@ -27,10 +27,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from sharding.sequence import gather_sequence, kv_repeats, ulysses_attention
+from sharding.sequence import Exchange, gather_sequence, ulysses_attention
 from trainer.models.hf_settings import HF_IMPLEMENTATIONS  # re-exported: the torch-free list
 
 Attend = Callable[..., torch.Tensor]
+# (attention keyword arguments, query heads, KV heads, degree) -> the arguments under Ulysses
+Options = Callable[[dict, int, int, int], dict]
 # The HF attention kwarg carrying the whole-sequence mask (None: causal) to the wrapped attention;
 # HF passes unknown keyword arguments of the model's forward down to its attention functions.
 SEQUENCE_MASK = "blocktrain_sequence_mask"
@@ -57,30 +59,18 @@ def whole_positions(positions: torch.Tensor, group: Optional[dist.ProcessGroup])
     return positions if group is None else gather_sequence(positions, group, dim=1)
 
 
-def ulysses_wrap(group: dist.ProcessGroup) -> Callable[[Attend], Attend]:
-    """A wrap for a family's `wrap_attention`: the built-in models' attend(q, k, v, **options)
-    ([B, heads, T/N, head_dim] in and out) runs over whole sequences through the all-to-all.
-    Options (the whole-sequence mask, dropout, enable_gqa) pass through unchanged."""
+def ulysses_wrap(exchange: Exchange, options: Optional[Options] = None
+                 ) -> Callable[[Attend], Attend]:
+    """A wrap for a family's `wrap_attention`: its attend(q, k, v, **options) ([B, heads, T/N,
+    head_dim] in and out) runs over whole sequences through the exchange's all-to-alls (the
+    real one, or the meta trace's: sharding/sequence.py). `options`: the family's change to
+    its attention's keyword arguments (HF's: trainer/models/hf.py's ulysses_options); without
+    it they pass through unchanged (the whole-sequence mask, dropout, enable_gqa)."""
     def wrap(current: Attend) -> Attend:
-        def attend(q, k, v, **options):
-            return ulysses_attention(current, q, k, v, group, **options)
-        return attend
-    return wrap
-
-
-def hf_ulysses_wrap(group: dist.ProcessGroup) -> Callable[[Attend], Attend]:
-    """The same for HF attention modules (trainer/models/hf.py's attend): HF's slice-sized
-    `attention_mask` is replaced by the whole-sequence one the wrapper's forward put in the
-    SEQUENCE_MASK kwarg (None: causal over the whole sequence, SDPA's is_causal)."""
-    def wrap(current: Attend) -> Attend:
-        def attend(q, k, v, attention_mask=None, **options):
-            mask = options.pop(SEQUENCE_MASK, None)
-            options.pop("position_ids", None)  # the slice's: meaningless after the all-to-all
-            if kv_repeats(q.shape[1], k.shape[1], dist.get_world_size(group)) > 1:
-                # HF repeats KV heads by the module's own group size after the all-to-all.
-                raise ValueError(f"sequence degree {dist.get_world_size(group)} must divide "
-                                 f"the model's KV heads {k.shape[1]} for an HF model")
-            return ulysses_attention(current, q, k, v, group, attention_mask=mask, **options)
+        def attend(q, k, v, **kwargs):
+            if options is not None:
+                kwargs = options(kwargs, q.shape[1], k.shape[1], exchange.size)
+            return ulysses_attention(current, q, k, v, exchange, **kwargs)
         return attend
     return wrap
 

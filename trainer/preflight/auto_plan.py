@@ -17,14 +17,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from checkpointing.planner.whole_step import Choice, NoFit, Timing, evaluate_plan, fit_plan
-from checkpointing.plan import BlockPlan, describe, make_plan, recompute_pattern, with_offload
+from checkpointing.planner.whole_step import Choice, NoFit, Timing, evaluate_plan, fastest_plan
+from checkpointing.plan import (BlockPlan, describe, make_plan, recompute_pattern, with_offload,
+                                with_tiles)
 from checkpointing.planner.profile import BlockProfile
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, tile_count
+from sharding.layout import Layout, auto_degrees
 from trainer.preflight.scenario import (NOMINAL_ALL_TO_ALL_BYTES_PER_S, NOMINAL_SECONDS_PER_BYTE,
-                                       Evaluator, Scenario, with_changes, with_tiles)
-from trainer.preflight.degrees import sequence_degree, tile_count
-from trainer.validate import Layout
+                                       Evaluator, Scenario, with_changes)
 
 GIB = 2 ** 30
 UNIFORM = ("none", "selective", "full")
@@ -74,18 +74,19 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.3g} GiB"
 
 
-def fitting(cfg: Config) -> bool:
-    """Whether `auto` decides something: the plan, the micro-batch, the degree or the tiles."""
-    return (cfg.checkpointing.policy == "auto" or cfg.train.micro_batch_size == "auto"
-            or cfg.sharding.sequence == "auto" or cfg.checkpointing.tiles == "auto")
+def auto_decides(cfg: Config, layout: Layout) -> bool:
+    """Whether `auto` decides something: the plan, the tiles, or what the layout leaves to it
+    (the micro-batch, the sequence degree)."""
+    return (cfg.checkpointing.policy == "auto" or cfg.checkpointing.tiles == "auto"
+            or bool(layout.pending))
 
 
-def micro_batches(cfg: Config, layout: Layout) -> list[int]:
+def micro_batches(layout: Layout) -> list[int]:
     """The candidates, largest first. A sequence group of N ranks shares each sample, so the
-    global batch is split over world / N ranks."""
-    if cfg.train.micro_batch_size != "auto":
-        return [int(cfg.train.micro_batch_size)]
-    per_rank = cfg.train.global_batch_size // (layout.world_size // sequence_degree(cfg))
+    global batch is split over the layout's world / N groups."""
+    if layout.micro_batch != "auto":
+        return [layout.micro_batch_size]
+    per_rank = layout.per_rank_samples()
     return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
 
 
@@ -113,9 +114,10 @@ def fixed_plan(cfg: Config, names: Sequence[str], policy: Optional[str] = None) 
 def flop_timing(evaluator: Evaluator) -> Timer:
     """Step times from FLOPs at the evaluator's nominal rate (the report: nothing is timed)."""
     def timer(cfg: Config, scenario: Scenario, ev: Evaluator):
-        profile = ev.profile(cfg)[0]
+        degree = scenario.layout.degree
+        profile = ev.profile(cfg, degree)[0]
         spf = evaluator.seconds_per_flop
-        rest = rest_flops(cfg, profile) * spf
+        rest = rest_flops(cfg, profile, degree) * spf
         timing = Timing(tuple({o: f * spf for o, f in m.recompute_flops.items()}
                               for m in profile.blocks),
                         tuple(3 * m.forward_flops * spf for m in profile.blocks), rest,
@@ -132,7 +134,7 @@ def with_sequence_costs(timing: Timing, profile, scenario: Scenario,
     Ulysses: the bytes a rank sends per block forward (measured on meta) over a nominal
     all-to-all bandwidth (NOMINAL_ALL_TO_ALL_BYTES_PER_S, nothing measured or overlapped): twice
     per block (forward, backward), and once more for a block that recomputes."""
-    degree = sequence_degree(scenario.cfg)
+    degree = scenario.layout.degree
     inside = "node" if degree <= scenario.gpus_per_node else "network"
     exchange = profile.sent_bytes_per_block / NOMINAL_ALL_TO_ALL_BYTES_PER_S[inside]
     compute = tuple(c + m.tile_flops * seconds_per_flop + 2 * exchange
@@ -142,8 +144,9 @@ def with_sequence_costs(timing: Timing, profile, scenario: Scenario,
     return dataclasses.replace(timing, block_cost=cost, block_compute=compute)
 
 
-def rest_flops(cfg: Config, profile) -> float:
-    """Training FLOPs of one micro-batch outside the blocks (embedding, head, loss)."""
+def rest_flops(cfg: Config, profile, degree: int = 1) -> float:
+    """Training FLOPs of one micro-batch outside the blocks (embedding, head, loss), on one
+    rank of a sequence group of `degree`."""
     from trainer.build import build_on_meta
     from trainer.models.families import family_of
     from trainer.task import task_for
@@ -156,7 +159,7 @@ def rest_flops(cfg: Config, profile) -> float:
         matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
         total -= 6 * matmul * tokens * (1 - task.meta_fraction)
     # A rank of a sequence group computes 1/N of each sample (its tokens, its heads).
-    total /= sequence_degree(cfg)
+    total /= degree
     blocks = 3 * sum(m.forward_flops for m in profile.blocks)
     return max(0.0, total * cfg.train.micro_batch_size - blocks)
 
@@ -170,18 +173,13 @@ def sequence_shapes(cfg: Config, layout: Layout) -> list[tuple[int, int]]:
     degree first (fewest all-to-alls), then the fewest tiles (least recompute). `auto` degrees:
     the divisors of the world that divide data.seq_len (the heads are checked when traced)."""
     seq_len = cfg.data.seq_len
-    if cfg.sharding.sequence == "auto":
-        degrees = [d for d in range(1, layout.world_size + 1)
-                   if layout.world_size % d == 0 and seq_len % d == 0]
-    else:
-        degrees = [sequence_degree(cfg)]
     shapes = []
-    for degree in degrees:
+    for degree in auto_degrees(layout, seq_len):
         if cfg.checkpointing.tiles == "auto":
             most = min(MAX_AUTO_TILES, seq_len // degree)
             tiles = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
         else:
-            tiles = [tile_count(cfg)]
+            tiles = [tile_count(cfg.checkpointing)]
         shapes += [(degree, t) for t in tiles]
     return shapes
 
@@ -227,14 +225,14 @@ def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
     """At the scenario's sequence degree and tiles: the micro-batch and plan with the least
     predicted step time that fit `capacity`."""
     cfg = scenario.cfg
-    degree, tiles = sequence_degree(cfg), tile_count(cfg)
+    degree, tiles = scenario.layout.degree, tile_count(cfg.checkpointing)
     policy = cfg.checkpointing.policy
     rows: list[Candidate] = []
     timed: list[tuple[Choice, int, int, Optional[list[BlockProfile]]]] = []
     least: Optional[tuple[int, int]] = None  # (bytes, micro-batch) when none fits
-    for micro_batch in micro_batches(cfg, scenario.layout):
+    for micro_batch in micro_batches(scenario.layout):
         at = at_micro_batch(scenario, micro_batch)
-        profile, groups, _ = evaluator.profile(at.cfg)
+        profile, groups, _ = evaluator.profile(at.cfg, degree)
         setup = evaluator.setup(at)
         names = list(profile.block_names)
         accum = at.layout.grad_accum
@@ -277,8 +275,9 @@ def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
 def _choose(cfg: Config, policy: str, groups, profile, setup, timing: Timing,
             capacity: int) -> Choice:
     if policy == "auto":
-        return fit_plan(groups, profile, setup, timing, capacity, cfg.sharding.mode != "none",
-                        cfg.offload.keep_last, cfg.offload.target)
+        return fastest_plan(groups, profile, setup, timing, capacity,
+                            cfg.sharding.mode != "none", cfg.offload.keep_last,
+                            cfg.offload.target)
     choice = evaluate_plan(groups, profile, setup, timing,
                            fixed_plan(cfg, list(profile.block_names)))
     if choice.peak > capacity:
@@ -308,12 +307,12 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
     untimed = flop_timing(evaluator)
 
     def least(changed: Scenario) -> Optional[int]:
-        profile, groups, _ = evaluator.profile(changed.cfg)
+        profile, groups, _ = evaluator.profile(changed.cfg, changed.layout.degree)
         timing = untimed(changed.cfg, changed, evaluator)[0]
         try:
-            return fit_plan(groups, profile, evaluator.setup(changed), timing, capacity,
-                            s.mode != "none", changed.cfg.offload.keep_last,
-                            changed.cfg.offload.target).peak
+            return fastest_plan(groups, profile, evaluator.setup(changed), timing, capacity,
+                                s.mode != "none", changed.cfg.offload.keep_last,
+                                changed.cfg.offload.target).peak
         except NoFit:
             return None
 
@@ -345,7 +344,7 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
     return found
 
 
-def table(decision: Decision) -> str:
+def auto_table(decision: Decision) -> str:
     """The candidates as a terminal table, the chosen one marked."""
     lines = [f"{'':1} {'seq':>3} {'tiles':>5} {'micro':>5} {'accum':>5} {'policy':<9} "
              f"{'predicted peak GiB':>18} {'step s':>9} {'fits':<4} plan"]
@@ -363,5 +362,5 @@ def table(decision: Decision) -> str:
     return "\n".join(lines)
 
 
-def rows(decision: Decision) -> list[dict]:
+def auto_rows(decision: Decision) -> list[dict]:
     return [dataclasses.asdict(r) for r in decision.candidates]

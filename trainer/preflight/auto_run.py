@@ -30,15 +30,14 @@ from sharding.fsdp import DTYPES
 from trainer.preflight.auto_plan import (GIB, Candidate, Decision, Timer, decide, rest_flops,
                                          with_sequence_costs)
 from trainer.build import build_on_meta, find_model_blocks
-from trainer.config import Config, ConfigError
+from sharding.layout import Layout
+from trainer.config import Config, ConfigError, tile_count
 from trainer.distenv import DistEnv
-from trainer.preflight.degrees import sequence_degree, tile_count
 from trainer.preflight.scenario import Evaluator, Scenario, one_rank_of_sequence
 from trainer.task import task_for
-from trainer.validate import Layout
 
 log = logging.getLogger("trainer")
-DECISION_FILE = "auto.json"
+AUTO_FILE = "auto.json"
 
 
 def capacity_of(cfg: Config, device: torch.device) -> int:
@@ -70,8 +69,8 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
             cast_like_fsdp(model, blocks, DTYPES[s.param_dtype])
         # One rank's blocks: its T/N tokens, attention between stand-ins of the all-to-alls
         # (their time is added nominally), MLPs tiled.
-        degree = sequence_degree(cfg)
-        one_rank_of_sequence(cfg, model, degree, tile_count(cfg))
+        degree = scenario.layout.degree
+        one_rank_of_sequence(cfg, model, degree, tile_count(cfg.checkpointing))
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         inputs, targets = task.example(cfg.train.micro_batch_size)
         if degree > 1:  # this rank's slice of each row (a language model's tokens)
@@ -79,12 +78,12 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, device,
                                   resolve_ops(cfg.checkpointing.save_ops), repeats)
-        profile = evaluator.profile(cfg)[0]
+        profile = evaluator.profile(cfg, degree)[0]
         profiles = [dataclasses.replace(p, working_bytes=dict(m.peak_bytes))
                     for p, m in zip(profiles, profile.blocks)]
         compute = sum(p.compute_s for p in profiles)
         block_flops = 3 * sum(m.forward_flops for m in profile.blocks)
-        rest = rest_flops(cfg, profile) * (compute / block_flops if block_flops else 0.0)
+        rest = rest_flops(cfg, profile, degree) * (compute / block_flops if block_flops else 0.0)
         o = cfg.offload
         per_byte = None
         if evaluator.setup(scenario).offload_min_bytes is not None:
@@ -136,15 +135,17 @@ def _write(path: str, key: dict, decision: Decision) -> None:
     os.replace(tmp, path)
 
 
-def fit_run(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
+def run_auto(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
             gpus_per_node: int) -> tuple[Config, Layout, Decision]:
-    """(config with the chosen micro-batch, its layout, the decision)."""
+    """(the config with what auto chose made concrete, the new layout auto's choice makes, the
+    decision). The layout is made anew from the chosen degree and micro-batch, as validation
+    makes one: the mesh, each rank's share of the data and the model all follow it."""
     payload: list = [None]
     if denv.rank == 0:
         try:
             capacity = capacity_of(cfg, denv.device)
             key = _key(cfg, denv.world_size, capacity)
-            path = os.path.join(run_dir, DECISION_FILE)
+            path = os.path.join(run_dir, AUTO_FILE)
             decision = _read(path, key)
             if decision is None:
                 evaluator = Evaluator(1.0, optimizer_foreach=denv.device.type == "cuda",
@@ -162,8 +163,9 @@ def fit_run(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
     if isinstance(payload[0], tuple):
         raise ConfigError(*payload[0])
     decision = payload[0]
-    return (chosen_config(cfg, decision),
-            dataclasses.replace(layout, grad_accum=decision.grad_accum), decision)
+    decided = layout.decided(decision.sequence, decision.micro_batch)
+    assert decided.grad_accum == decision.grad_accum, (decided, decision.grad_accum)
+    return chosen_config(cfg, decision), decided, decision
 
 
 def chosen_config(cfg: Config, decision: Decision) -> Config:

@@ -31,8 +31,8 @@ class Longest:
 
 
 def step_of(scenario: Scenario, tokens: int = STEP_TOKENS) -> int:
-    value = scenario.cfg.sharding.sequence
-    divides = scenario.layout.world_size if value == "auto" else int(value or 1)
+    layout = scenario.layout
+    divides = layout.world_size if layout.sequence == "auto" else layout.degree
     return math.lcm(tokens, divides)
 
 

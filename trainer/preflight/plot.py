@@ -151,7 +151,7 @@ def draw_plan(outcome, capacity: Optional[int] = None) -> tuple[Figure, list[str
     fig.suptitle(
         f"{sc.cfg.model.name}: world {sc.layout.world_size} ({sc.cfg.sharding.mode}), "
         f"micro-batch {sc.cfg.train.micro_batch_size} x {tokens} tokens"
-        f"{sequence_text(sc.cfg, tokens)}, grad_accum "
+        f"{sequence_text(sc, tokens)}, grad_accum "
         f"{sc.layout.grad_accum}, checkpointing={sc.cfg.checkpointing.policy}\npredicted peak "
         f"{gib(est.peak.total)} per rank, during {est.peak.name}{host}", fontsize=11)
     return fig, labels

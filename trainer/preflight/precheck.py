@@ -41,11 +41,11 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
     """Raises ConfigError for the mistakes above; see the module docstring."""
     try:
         _save_ops(cfg)
-        family_of(cfg.model).preflight(cfg.model)
+        family_of(cfg.model).check_deep(cfg.model)
         _blocks(cfg)
         _data(cfg)
         _head(cfg)
-        _sequence(cfg)
+        _sequence(cfg, layout)
         if layout is not None:
             _memory(cfg, layout, gpus_per_node)
     except ValueError as exc:
@@ -66,10 +66,9 @@ def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
     """checkpointing=auto or micro_batch_size=auto with a train.memory_gib that not even the
     smallest micro-batch fits: the trainer's own one line, before anything starts. The memory
     model alone decides this (no timing), at the smallest candidate (the least memory)."""
-    from trainer.preflight.auto_plan import (GIB, at_micro_batch, decide, fitting, flop_timing,
-                                             micro_batches)
+    from trainer.preflight.auto_plan import GIB, at_micro_batch, auto_decides, decide, flop_timing
 
-    if not fitting(cfg) or cfg.train.memory_gib is None:
+    if not auto_decides(cfg, layout) or cfg.train.memory_gib is None:
         return
     import torch
 
@@ -79,7 +78,9 @@ def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
                                         and not torch.cuda.is_available())
     evaluator = Evaluator(1.0, optimizer_foreach=not cpu, device_type="cpu" if cpu else "cuda")
     scenario = Scenario(cfg, layout, gpus_per_node)
-    smallest = at_micro_batch(scenario, micro_batches(cfg, layout)[-1])
+    # The least memory: micro-batch 1 when auto chooses it (1 divides every share).
+    least = 1 if layout.micro_batch == "auto" else layout.micro_batch_size
+    smallest = at_micro_batch(scenario, least)
     decide(smallest.cfg, smallest, evaluator, int(cfg.train.memory_gib * GIB),
            flop_timing(evaluator))
 
@@ -92,14 +93,12 @@ def _blocks(cfg: Config) -> None:
     find_model_blocks(build_on_meta(cfg.model), cfg.model)
 
 
-def _sequence(cfg: Config) -> None:
+def _sequence(cfg: Config, layout) -> None:
     """sharding.sequence > 1 on the meta model (an HF model's attention in the registry, its
     heads however its config names them); checkpointing.tiles > 1: every block has the MLP its
     family tiles."""
-    from trainer.validate import sequence_degree
-
-    family, degree, tiles = family_of(cfg.model), sequence_degree(cfg.sharding.sequence), \
-        cfg.checkpointing.tiles
+    family, tiles = family_of(cfg.model), cfg.checkpointing.tiles
+    degree = 1 if layout is None else layout.least_degree
     if degree > 1:
         family.check_sequence_parallel(cfg.model, degree)
     if isinstance(tiles, int) and tiles > 1:

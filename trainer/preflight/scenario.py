@@ -17,17 +17,17 @@ from checkpointing.planner.memory import (Estimate, ParamGroup, Setup, as_modell
                                  param_groups)
 from checkpointing.planner.metatrace import (FusedAttentionOnMeta, MetaProfile, cast_like_fsdp,
                                              profile_on_meta)
-from checkpointing.planner.sequence_trace import MetaUlysses
-from checkpointing.plan import BlockPlan, make_plan as plan_of, with_offload
+from checkpointing.plan import BlockPlan, make_plan, with_offload, with_tiles
 from checkpointing.planner.policies import Budget, OffloadCost, choose_plan, resolve_budget
 from checkpointing.planner.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
+from sharding.sequence import MetaExchange
 from trainer.build import build_on_meta, find_model_blocks
-from trainer.config import Config
+from trainer.config import Config, tile_count
 from trainer.models.families import family_of
-from trainer.preflight.degrees import sequence_degree, tile_count
-from trainer.validate import Layout, validate
+from sharding.layout import Layout
+from trainer.validate import validate
 from trainer.task import task_for
 
 # Offload transfer rates where nothing is measured (the report): PCIe 4.0 x16 as it is usually
@@ -41,9 +41,11 @@ NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
 
 
 
-def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaUlysses]:
+def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaExchange]:
     """Make a meta model run as one rank does: its blocks' token-wise parts (and the final
-    norm, where the family tiles it) in `tiles` sequence tiles, and, for a degree > 1, attention through the meta all-to-alls (returned, to count what they send)."""
+    norm, where the family tiles it) in `tiles` sequence tiles, and, for a degree > 1,
+    attention through Ulysses with the meta exchange (sharding/sequence.py's, the trainer's
+    code with allocations for the all-to-alls; returned, to count what they send)."""
     family = family_of(cfg.model)
     if tiles > 1:
         for _, block in family.blocks(model, cfg.model.block_pattern):
@@ -51,9 +53,9 @@ def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optiona
         family.tile_head(model, tiles)
     if degree == 1:
         return None
-    ulysses = MetaUlysses(degree)
-    family.wrap_attention(model, ulysses.wrap)
-    return ulysses
+    exchange = MetaExchange(degree)
+    family.wrap_ulysses(model, exchange)
+    return exchange
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockP
             for m in profile.blocks]
 
 
-def make_plan(scenario: Scenario, profile: MetaProfile,
+def trainer_plan(scenario: Scenario, profile: MetaProfile,
               seconds_per_flop: float) -> tuple[list[BlockPlan], Optional[Budget]]:
     """The trainer's plan for this config (policies.choose_plan); raises BudgetError."""
     c = scenario.cfg.checkpointing
@@ -131,7 +133,7 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
         return read_plan(c.plan_file, names, shard, scenario.cfg.train.compile), None
     assert c.policy != "auto", "checkpointing=auto plans through trainer/preflight/auto_plan.py"
     if c.policy == "compiler":  # decided inside the compiled graph; evaluate() bounds it
-        plan = plan_of(names, ["compiler"] * len(names), shard)
+        plan = make_plan(names, ["compiler"] * len(names), shard)
         return with_offload(plan, o.target, o.keep_last), None
     profiles = block_profiles(profile, seconds_per_flop)
     budget, offload = None, None
@@ -146,12 +148,7 @@ def make_plan(scenario: Scenario, profile: MetaProfile,
                        offload)
     if c.policy != "budget":  # as trainer/build.py does
         plan = with_offload(plan, o.target, o.keep_last)
-    return with_tiles(plan, tile_count(scenario.cfg)), budget
-
-
-def with_tiles(plan: list[BlockPlan], tiles: int) -> list[BlockPlan]:
-    """Every block's MLP in `tiles` sequence tiles (the meta profile is traced so)."""
-    return [dataclasses.replace(p, tiles=tiles) for p in plan]
+    return with_tiles(plan, tile_count(scenario.cfg.checkpointing)), budget
 
 
 class Evaluator:
@@ -164,14 +161,15 @@ class Evaluator:
         self.device_type = device_type  # cpu: attention as the CPU runs it (metatrace.py)
         self._profiles: dict[tuple, tuple[MetaProfile, list[ParamGroup], torch.dtype]] = {}
 
-    def profile(self, cfg: Config) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
+    def profile(self, cfg: Config, degree: int = 1
+                ) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
         """Meta profile, parameter groups and parameter dtype of a config (cached by shapes).
 
-        One rank's: with sharding.sequence=N its T/N tokens, attention between the meta
-        stand-in of Ulysses' all-to-alls (checkpointing/planner/sequence_trace.py); with
+        One rank's: with a sequence degree N (the scenario's layout's) its T/N tokens, attention between the meta
+        stand-in of Ulysses' all-to-alls (sharding/sequence.py's MetaExchange); with
         checkpointing.tiles=n every block's MLP tiled as the trainer tiles it."""
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
-        degree, tiles = sequence_degree(cfg), tile_count(cfg)
+        tiles = tile_count(cfg.checkpointing)
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
                tuple(cfg.checkpointing.save_ops), task.head_chunk, task.gather_rows,
@@ -183,7 +181,7 @@ class Evaluator:
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
-            ulysses = one_rank_of_sequence(cfg, model, degree, tiles)
+            exchange = one_rank_of_sequence(cfg, model, degree, tiles)
             inputs, targets = task.example(cfg.train.micro_batch_size)
             if degree > 1:  # this rank's slice of each row (a language model's tokens)
                 inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
@@ -192,25 +190,25 @@ class Evaluator:
                                       lambda m: task.loss(m, inputs, targets),
                                       resolve_ops(names_ops), names_ops,
                                       like_cpu=self.device_type == "cpu")
-            if ulysses is not None:  # one forward's all-to-alls, counted alone
-                ulysses.sent_bytes = 0
+            if exchange is not None:  # one forward's all-to-alls, counted alone
+                exchange.sent_bytes = 0
                 with torch.no_grad(), FusedAttentionOnMeta(self.device_type == "cpu"):
                     task.loss(model, inputs, targets)
                 profile = dataclasses.replace(
-                    profile, sent_bytes_per_block=ulysses.sent_bytes // max(1, len(blocks)))
+                    profile, sent_bytes_per_block=exchange.sent_bytes // max(1, len(blocks)))
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]
 
     def setup(self, scenario: Scenario) -> Setup:
-        return setup_of(scenario, self.profile(scenario.cfg)[2], self.optimizer_foreach,
-                        self.device_type)
+        return setup_of(scenario, self.profile(scenario.cfg, scenario.layout.degree)[2],
+                        self.optimizer_foreach, self.device_type)
 
     def evaluate(self, scenario: Scenario, plan: Optional[list[BlockPlan]] = None) -> Outcome:
         """The prediction of the trainer's plan for this config, or of `plan` when given."""
-        profile, groups, orig_dtype = self.profile(scenario.cfg)
+        profile, groups, orig_dtype = self.profile(scenario.cfg, scenario.layout.degree)
         budget = None
         if plan is None:
-            plan, budget = make_plan(scenario, profile, self.seconds_per_flop)
+            plan, budget = trainer_plan(scenario, profile, self.seconds_per_flop)
         plan = as_modelled(plan)  # what the tables and the picture show is what was estimated
         setup = self.setup(scenario)
         return Outcome(scenario, plan, estimate(groups, profile, plan, setup), profile, groups,

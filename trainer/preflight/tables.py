@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from trainer.preflight.degrees import sequence_degree, tile_count
+from trainer.config import tile_count
 from trainer.task import task_for
 
 GIB = 2 ** 30
@@ -74,7 +74,7 @@ def summary(outcome) -> dict:
         "recompute_flops_per_step": est.recompute_flops,
         "recompute_seconds_per_step": est.recompute_flops * outcome.seconds_per_flop,
         "host_bytes": est.host, "not_modeled": not_modeled(sc.cfg),
-        "sequence": sequence_degree(sc.cfg), "tiles": tile_count(sc.cfg),
+        "sequence": sc.layout.degree, "tiles": tile_count(sc.cfg.checkpointing),
         "host_per_rank_bytes": {"offloaded_activations": est.host_activations,
                                 "params_grads_optimizer": est.host,
                                 "total": est.host + est.host_activations},
@@ -98,7 +98,7 @@ def table(outcome, tflops: float) -> str:
         "",
         f"per rank: world {sc.layout.world_size} ({sc.cfg.sharding.mode}, shard "
         f"{sc.layout.shard} x replicate {sc.layout.replicate}), micro-batch "
-        f"{sc.cfg.train.micro_batch_size} x {tokens} tokens{sequence_text(sc.cfg, tokens)}, "
+        f"{sc.cfg.train.micro_batch_size} x {tokens} tokens{sequence_text(sc, tokens)}, "
         f"grad_accum {sc.layout.grad_accum}, param dtype {dtype}",
         f"  {'parameters (this rank' + chr(39) + 's shard)':<39} {peak.params / GIB:>9.2f} GiB",
         f"  {'gradients (at the peak)':<39} {peak.grads / GIB:>9.2f} GiB"
@@ -131,9 +131,9 @@ def table(outcome, tflops: float) -> str:
     return "\n".join(lines)
 
 
-def sequence_text(cfg, tokens: int) -> str:
+def sequence_text(sc, tokens: int) -> str:
     """', sequence 8 (1/8 of each sample's tokens on this rank), MLP in 16 tiles'."""
-    degree, tiles = sequence_degree(cfg), tile_count(cfg)
+    degree, tiles = sc.layout.degree, tile_count(sc.cfg.checkpointing)
     text = (f", sequence {degree} ({tokens // degree} of each sample's tokens on this rank)"
             if degree > 1 else "")
     return text + (f", {tiles} sequence tiles" if tiles > 1 else "")

@@ -22,7 +22,7 @@ from torch import nn
 
 from trainer.config import Config
 from trainer.data.batches import Data
-from trainer.validate import Layout
+from sharding.layout import Layout
 from trainer.state.checkpoint import Checkpointer, Loaded
 from trainer.state.ownership import RUN_ID_FILE
 
@@ -65,7 +65,7 @@ class RunRecord:
         return {"progress": dataclasses.asdict(progress), "scheduler": scheduler.state_dict(),
                 "world_size": self.layout.world_size,
                 "global_batch_size": self.layout.global_batch_size,
-                "sequence": self.layout.sequence,
+                "sequence": self.layout.degree,
                 "seq_len": self.cfg.data.seq_len, "data_seed": self.cfg.train.seed,
                 "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg),
                 "data": None if self.data is None else self.data.record()}

@@ -5,15 +5,30 @@ naming the setting to change."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 from trainer.faults import FaultLimit, LossGuard, Verdict
 from trainer.state.checkpoint import Checkpointer
 from trainer.state.resume import ModelState, Progress, restore
 
-if TYPE_CHECKING:  # the run's logger and alerts (trainer/observe/), used, never imported
-    from trainer.observe.metrics import RunLogger
-    from trainer.observe.watch import Alerts
+
+class RunRecorder(Protocol):
+    """What a rollback tells the run's log (trainer/observe/metrics.py's RunLogger is one): the
+    type lives here, below the logger, so state/ never reaches up into observe/."""
+
+    def record(self, metrics: dict, console: bool = True,
+               wandb_step: Optional[int] = None) -> bool: ...
+
+    def rewind(self, step: int) -> None: ...
+
+    def info(self, message: str) -> None: ...
+
+
+class AlertSink(Protocol):
+    """Where a rollback raises its alerts (trainer/observe/watch.py's Alerts is one)."""
+
+    def fire(self, kind: str, step: int, text: str, level: str = "WARN",
+             wandb_step: Optional[int] = None) -> bool: ...
 
 
 def rollback(checkpointer: Checkpointer, model: ModelState,
@@ -36,7 +51,7 @@ class Rollback:
     next (the same progress, or the checkpoint's)."""
 
     def __init__(self, checkpointer: Checkpointer, model: ModelState, guard: LossGuard,
-                 logger: RunLogger, alerts: Alerts, max_rollbacks: int) -> None:
+                 logger: RunRecorder, alerts: AlertSink, max_rollbacks: int) -> None:
         self.checkpointer, self.model, self.guard = checkpointer, model, guard
         self.logger, self.alerts, self.max_rollbacks = logger, alerts, max_rollbacks
 

@@ -123,7 +123,7 @@ class Family:
         """The family's own settings, after the checks every model of its kind shares
         (trainer/validate.py); a mistake raises the ConfigError naming its key."""
 
-    def preflight(self, m: ModelConfig) -> None:
+    def check_deep(self, m: ModelConfig) -> None:
         """Checks that need the family's library (trainer/preflight/precheck.py, before the run)."""
 
     def vocab_size(self, m: ModelConfig) -> int:
@@ -183,6 +183,19 @@ class Family:
         """Make `model` run sequence-parallel over `group`; returns the attention modules
         wrapped. Once per model, before or after FSDP; see the subclass for its contract."""
         raise NotImplementedError(f"model.arch={self.arch} has no sequence parallelism")
+
+    def ulysses_options(self) -> Optional[Callable[[dict, int, int, int], dict]]:
+        """How this family's attention keyword arguments change under Ulysses (see
+        trainer/models/sequence_parallel.py's ulysses_wrap); None: they pass through."""
+        return None
+
+    def wrap_ulysses(self, model: nn.Module, exchange) -> int:
+        """Every attention of `model` through Ulysses' all-to-alls over `exchange`: the real
+        one (sequence_parallel) or the meta trace's (trainer/preflight/scenario.py), one code
+        path for both. Returns the attention modules wrapped."""
+        from trainer.models.sequence_parallel import ulysses_wrap
+
+        return self.wrap_attention(model, ulysses_wrap(exchange, self.ulysses_options()))
 
     # Sequence tiles (checkpointing.tiles, checkpointing/tiles.py).
     tileable = False  # its blocks have token-wise parts that tile_block tiles

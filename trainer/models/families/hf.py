@@ -35,7 +35,7 @@ class HFCausalLM(LanguageModel):
     def own_tokenizer(self, m: ModelConfig) -> Optional[str]:
         return m.path
 
-    def preflight(self, m: ModelConfig) -> None:
+    def check_deep(self, m: ModelConfig) -> None:
         """The model type is one transformers knows, and it has a causal LM."""
         model_type = hf_fields(m).get("model_type")
         key = "model.hf_config.model_type" if m.path is None else "model.path"
@@ -106,6 +106,13 @@ class HFCausalLM(LanguageModel):
                               f"not go through transformers' attention registry in every layer "
                               f"({found} of {layers}); it cannot run sequence-parallel")
 
+    def ulysses_options(self) -> Callable[[dict, int, int, int], dict]:
+        """HF's slice-sized mask and positions give way to the whole sequence's
+        (trainer/models/hf.py's ulysses_options)."""
+        from trainer.models.hf import ulysses_options
+
+        return ulysses_options
+
     def mlp_of(self, block: nn.Module) -> Optional[nn.Module]:
         """Llama-style decoder layers (Llama, Mistral, Qwen, Gemma, GPT-2, ...) call theirs
         `mlp`."""
@@ -118,13 +125,13 @@ class HFCausalLM(LanguageModel):
         unpacked rows (the model passes the slice's global positions as position_ids). The
         model's implementation must pass check_sequence_parallel, and the group must divide
         its KV heads. Returns the attention modules wrapped."""
-        from trainer.models.sequence_parallel import hf_ulysses_wrap
+        from sharding.sequence import GroupExchange
 
         implementation = model.hf.config._attn_implementation
         if implementation not in HF_IMPLEMENTATIONS:
             raise ConfigError("model.attn_implementation", f"{implementation!r} cannot run "
                               f"sequence-parallel; use one of {', '.join(HF_IMPLEMENTATIONS)}")
-        wrapped = self.wrap_attention(model, hf_ulysses_wrap(group))
+        wrapped = self.wrap_ulysses(model, GroupExchange(group))
         if wrapped == 0:
             raise ConfigError("model.attn_implementation", "this model's attention does not "
                               "go through transformers' attention registry")

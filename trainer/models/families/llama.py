@@ -80,9 +80,9 @@ class Llama(LanguageModel):
         global supervised count and sums gradients over the group (FSDP's reduce does when the
         group is inside its mesh). Exact except attention dropout, which draws other masks (see
         trainer/models/sequence_parallel.py). Returns the attention modules wrapped."""
-        from trainer.models.sequence_parallel import ulysses_wrap
+        from sharding.sequence import GroupExchange
 
-        wrapped = self.wrap_attention(model, ulysses_wrap(group))
+        wrapped = self.wrap_ulysses(model, GroupExchange(group))
         model.sequence_group = group
         return wrapped
 
