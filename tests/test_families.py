@@ -59,8 +59,9 @@ def test_families_import_without_torch() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), check=True)
 
 
-def test_language_models_are_asked_one_way() -> None:
-    assert {a for a, f in FAMILIES.items() if f.language_model} == {"llama", "hf"}
+def test_the_families_say_what_a_sample_is() -> None:
+    assert {a for a, f in FAMILIES.items() if f.sample == "tokens"} == {"llama", "hf"}
+    assert {a for a, f in FAMILIES.items() if f.sample == "images"} == {"vit", "hf_vision", "timm"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "hf"])
@@ -93,7 +94,7 @@ def _model(arch: str):
 
 def _inputs(cfg):
     generator = torch.Generator().manual_seed(1)
-    if family_of(cfg.model).language_model:
+    if family_of(cfg.model).sample == "tokens":
         tokens = torch.randint(0, 200, (2, 12), generator=generator)
         positions = torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)
         return [(tokens,), (tokens, positions)]  # one sequence per row; two documents per row
@@ -121,7 +122,7 @@ def test_wrapping_the_attention_with_itself_changes_nothing(arch: str) -> None:
     assert family.wrap_attention(model, passing) == len(family.attention_modules(model)) == 2
     after = [_forward(model, x) for x in _inputs(cfg)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    tokens = 12 if family.language_model else 5  # 4 patches and the class token
+    tokens = 12 if family.sample == "tokens" else 5  # 4 patches and the class token
     assert len(calls) == 2 * len(before) and all(s[0] == 2 and s[2] == tokens for s in calls)
     family.wrap_attention(model, lambda inner: lambda q, k, v, **o: torch.zeros_like(q))
     assert not torch.equal(_forward(model, _inputs(cfg)[0]), before[0])  # the hook is live

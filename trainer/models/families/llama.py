@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.config import ConfigError, ModelConfig
+from trainer.config import ConfigError, ModelConfig, require
 from trainer.models.families.base import LanguageModel
 
 if TYPE_CHECKING:
@@ -22,11 +22,30 @@ def llama_args(m: ModelConfig) -> LlamaArgs:
                      n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
                      ffn_hidden=m.ffn_hidden, max_seq_len=m.max_seq_len,
                      norm_eps=m.norm_eps, rope_theta=m.rope_theta, dropout=m.dropout,
-                     tie_embeddings=m.tie_embeddings)
+                     tie_embeddings=m.tie_embeddings, head_width=m.head_dim)
 
 
 class Llama(LanguageModel):
     arch = "llama"
+
+    def validate(self, m: ModelConfig, seq_len: int) -> None:
+        """Heads that split model.dim (or model.head_dim set), an even head size (rotary
+        turns pairs of features), KV heads grouping the heads, and data.seq_len within
+        model.max_seq_len."""
+        if m.head_dim is None:
+            require(m.dim % m.n_heads == 0, "model.n_heads",
+                    f"must divide model.dim={m.dim}, got {m.n_heads}")
+            require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
+                    f"head size model.dim/model.n_heads={m.dim // m.n_heads} must be even "
+                    "(rotary)")
+        else:
+            require(m.head_dim > 0 and m.head_dim % 2 == 0, "model.head_dim",
+                    f"must be null (model.dim/model.n_heads) or a positive even size (rotary), "
+                    f"got {m.head_dim}")
+        require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+                f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+        require(seq_len <= m.max_seq_len, "data.seq_len",
+                f"{seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
     def build_on_meta(self, m: ModelConfig) -> nn.Module:
         from trainer.models.llama import build_llama
