@@ -344,9 +344,9 @@ def register_schema() -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-# model.arch's choices are the model families' (trainer/models/families/), which refuse others.
+# model.arch's choices are the model families' (trainer/models/families/), data.source's the
+# sources' (trainer/data/factory.py): each refuses others.
 CHOICES = {
-    "data.source": ("bytes", "tokens", "synthetic", "text", "chat", "images", "synthetic_images"),
     "data.train_on": ("assistant", "last", "all"),
     "data.format": ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"),
     "checkpointing.head": ("plain", "chunked"),

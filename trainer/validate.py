@@ -111,6 +111,7 @@ def _check_tiles(cfg: Config, degree: int) -> None:
 def _check_ranges(cfg: Config) -> None:
     """Choices, signs and ranges of single values."""
     family_of(cfg.model)  # model.arch first: the registry refuses an arch without a family
+    source_of(cfg.data)  # then data.source: the sources refuse a name that is none of theirs
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         require(value in allowed, key, f"got {value!r}; choose one of {', '.join(allowed)}")
