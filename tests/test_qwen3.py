@@ -97,6 +97,31 @@ def test_an_export_loads_in_transformers_with_our_logits(tmp_path, preset, archi
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
+def test_a_trained_qwen3_run_exports_a_folder_transformers_loads(tmp_path) -> None:
+    """Through the trainer on 2 ranks (FSDP, full recompute, the chunked head) and
+    `python -m trainer.export`: the checkpoint's tensors, tied embedding included, all land."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.helpers import QUICK, REPO, check_ok, run_trainer
+    from trainer.state.export import main as export_main
+
+    run_dir, out = tmp_path / "run", tmp_path / "export"
+    check_ok(run_trainer([*QUICK, "model=qwen3_tiny", "train.steps=2", "checkpointing=full",
+                          "checkpointing.head=chunked", f"hydra.run.dir={run_dir}"], REPO,
+                         nproc=2))
+    assert export_main([str(run_dir), "--out", str(out)]) == 0
+    loaded, info = transformers.Qwen3ForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    exported = load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in exported  # tied: the embedding is the head
+    assert torch.equal(loaded.lm_head.weight, exported["model.embed_tokens.weight"])
+    logits = loaded(torch.arange(16).unsqueeze(0)).logits
+    assert logits.shape == (1, 16, 256) and torch.isfinite(logits).all()
+
+
 def test_the_rotary_reordering_is_a_permutation_of_each_head() -> None:
     from trainer.models.families.llama import _halves
 
