@@ -7,24 +7,32 @@ offload, compile, sequence parallel): tests/test_sequence_runs.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from checkpointing.head import supervised_rows
 from trainer.models.llama import (IGNORE_INDEX, LlamaArgs, build_llama, next_token_loss_sum,
                                  rope_cos_sin)
+from trainer.models.qwen3 import build_qwen3
 from trainer.observe.livebytes import LiveTensorBytes
 
 ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64,
                  max_seq_len=64, dropout=0.1)
 
 
-def _pair(tiles: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+# Qwen3: Llama's blocks with per-head q/k norms (outside the tiles) and heads of 16 on a dim of 32.
+BUILDERS = {"llama": build_llama, "qwen3": build_qwen3}
+
+
+def _pair(tiles: int, model: str = "llama") -> tuple[torch.nn.Module, torch.nn.Module]:
+    args = ARGS if model == "llama" else dataclasses.replace(ARGS, head_width=16)
     torch.manual_seed(0)
-    plain = build_llama(ARGS, device="cpu")
+    plain = BUILDERS[model](args, device="cpu")
     for p in plain.parameters():
         torch.nn.init.normal_(p, std=0.2)  # norms away from 1: their gradients matter
-    tiled = build_llama(ARGS, device="cpu")
+    tiled = BUILDERS[model](args, device="cpu")
     tiled.load_state_dict(plain.state_dict())
     for block in tiled.layers:
         block.tile(tiles)
@@ -60,8 +68,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("chunk", [None, 16])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("tiles", [3, 5])
-def test_tiled_llama_equals_untiled_loss_and_every_gradient(chunk, gather, tiles) -> None:
-    plain, tiled = _pair(tiles)
+@pytest.mark.parametrize("model", sorted(BUILDERS))
+def test_tiled_llama_equals_untiled_loss_and_every_gradient(chunk, gather, tiles, model) -> None:
+    plain, tiled = _pair(tiles, model)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 24), generator=generator)
     targets = torch.randint(0, ARGS.vocab_size, (2, 24), generator=generator)

@@ -44,8 +44,8 @@ def _train_steps(overrides: list[str], steps: int = 3, rank: int = 0):
     return torch.stack(losses), grads, [p.recompute for p in built.plan], meter.peak
 
 
-def _run_policies(rank: int, world_size: int):
-    return [_train_steps(overrides, rank=rank) for overrides in POLICIES]
+def _run_policies(rank: int, world_size: int, model: str = "tiny"):
+    return [_train_steps([f"model={model}", *overrides], rank=rank) for overrides in POLICIES]
 
 
 def _assert_bitwise_equal(results) -> None:
@@ -57,12 +57,17 @@ def _assert_bitwise_equal(results) -> None:
         assert any(r != "none" for r in plan), overrides  # the policy did recompute something
 
 
-def test_every_policy_gives_bitwise_identical_gradients_one_rank(monkeypatch) -> None:
+# Every built-in language model (qwen3_tiny: Llama's blocks with q/k norms, wider heads, tied).
+MODELS = ["tiny", "qwen3_tiny"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_policy_gives_bitwise_identical_gradients_one_rank(monkeypatch, model) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(key, raising=False)
     init_distributed(read_env("cpu"), timeout_s=60)  # a world of one, as `python -m trainer`
     try:
-        results = _run_policies(0, 1)
+        results = _run_policies(0, 1, model)
     finally:
         shutdown()
     _assert_bitwise_equal(results)
@@ -73,8 +78,9 @@ def test_every_policy_gives_bitwise_identical_gradients_one_rank(monkeypatch) ->
     assert len(set(budget_plan)) > 1, budget_plan  # a genuine mix, not one option everywhere
 
 
-def test_every_policy_gives_bitwise_identical_gradients_two_ranks_fsdp() -> None:
-    per_rank = spawn(_run_policies, 2)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_policy_gives_bitwise_identical_gradients_two_ranks_fsdp(model) -> None:
+    per_rank = spawn(_run_policies, 2, model)
     for results in per_rank:
         _assert_bitwise_equal(results)
 

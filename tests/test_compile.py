@@ -67,8 +67,9 @@ def _check(results: dict, dropout: bool) -> None:
 
 
 @pytest.mark.slow
-def test_every_policy_and_target_bitwise_compiled_one_rank(world_of_one, tmp_path) -> None:
-    _check(_grid(0, 1, str(tmp_path), ["model.dropout=0.1"]), dropout=True)
+@pytest.mark.parametrize("model", ["tiny", "qwen3_tiny"])
+def test_every_policy_and_target_bitwise_compiled_one_rank(world_of_one, tmp_path, model) -> None:
+    _check(_grid(0, 1, str(tmp_path), [f"model={model}", "model.dropout=0.1"]), dropout=True)
     assert not any(files for _, _, files in os.walk(tmp_path))  # every offload file is gone
 
 

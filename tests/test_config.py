@@ -82,7 +82,7 @@ def test_config_keys_are_frozen() -> None:
     keys = {f"{group}.{key}" for group, node in asdict(config()).items() for key in node}
     assert keys == {
         "model.name", "model.arch", "model.dim", "model.n_layers", "model.n_heads",
-        "model.n_kv_heads", "model.vocab_size", "model.ffn_hidden", "model.max_seq_len",
+        "model.n_kv_heads", "model.head_dim", "model.vocab_size", "model.ffn_hidden", "model.max_seq_len",
         "model.norm_eps", "model.rope_theta", "model.dropout", "model.tie_embeddings",
         "model.block_pattern", "model.path", "model.hf_config", "model.attn_implementation",
         "model.freeze", "model.image_size", "model.patch_size", "model.channels",

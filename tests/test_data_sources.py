@@ -41,12 +41,12 @@ def test_the_sources_check_their_own_settings() -> None:
     images.check(DataConfig(source="images", augment=True))
     with pytest.raises(ConfigError, match="^data.augment: only applies to data=images"):
         tokens.check(DataConfig(source="tokens", augment=True))
-    images.check_reader(True, "vit")
+    images.check_reader("images", "vit")
     with pytest.raises(ConfigError, match="^data.source: images are images, which "
                                           "model.arch=llama does not read"):
-        images.check_reader(False, "llama")
+        images.check_reader("tokens", "llama")
     with pytest.raises(ConfigError, match="^data.source: model.arch=vit classifies images"):
-        tokens.check_reader(True, "vit")
+        tokens.check_reader("images", "vit")
     model = ModelFacts(200, "model.vocab_size")
     with pytest.raises(ConfigError, match="^model.vocab_size: data.source=bytes needs a "
                                           "vocabulary of at least 256, got 200"):

@@ -27,11 +27,12 @@ def _steps(overrides: list[str], run_dir: str, rank: int, steps: int = 3):
     return losses, grads, meter.peak, offloaded, [p.recompute for p in built.plan]
 
 
-def _grid(rank: int, world_size: int, run_dir: str):
+def _grid(rank: int, world_size: int, run_dir: str, model: str = "tiny"):
     results = {}
     for overrides in POLICIES:
         for target in TARGETS:
-            results[overrides[0], target] = _steps([*overrides, f"offload={target}"],
+            results[overrides[0], target] = _steps([f"model={model}", *overrides,
+                                                    f"offload={target}"],
                                                    os.path.join(run_dir, f"r{rank}"), rank)
     return results
 
@@ -56,12 +57,13 @@ def _check(results) -> None:
             assert saved == no_offload[2], policy
 
 
-def test_every_policy_and_target_bitwise_one_rank(monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("model", ["tiny", "qwen3_tiny"])
+def test_every_policy_and_target_bitwise_one_rank(monkeypatch, tmp_path, model) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(key, raising=False)
     init_distributed(read_env("cpu"), timeout_s=60)
     try:
-        results = _grid(0, 1, str(tmp_path))
+        results = _grid(0, 1, str(tmp_path), model)
     finally:
         shutdown()
     _check(results)

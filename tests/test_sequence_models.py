@@ -19,6 +19,7 @@ from tests.helpers import config
 from trainer.config import ConfigError
 from trainer.models.families import family_named
 from trainer.models.llama import LlamaArgs, build_llama, next_token_loss_sum
+from trainer.models.qwen3 import build_qwen3
 
 BATCH, SEQ, VOCAB, CHUNK = 2, 16, 64, 5
 # Row 0: documents of 5, 7 and 4 tokens (the 7 crosses the boundary between the two slices at
@@ -30,6 +31,7 @@ CASES = {"llama_mha": ("llama", 4, 4, False, False, None),
          "llama_gqa_packed": ("llama", 4, 2, True, False, None),
          "llama_gqa_chunked": ("llama", 4, 2, False, True, None),
          "llama_mqa_repeated_packed_chunked": ("llama", 4, 1, True, True, None),
+         "qwen3_gqa_packed_chunked": ("qwen3", 4, 2, True, True, None),
          "hf_sdpa": ("hf", 4, 2, False, False, "sdpa"),
          "hf_sdpa_packed_chunked": ("hf", 4, 2, True, True, "sdpa"),
          "hf_eager_packed": ("hf", 4, 2, True, False, "eager"),
@@ -38,10 +40,11 @@ CASES = {"llama_mha": ("llama", 4, 4, False, False, None),
 
 def _model(arch: str, heads: int, kv_heads: int, implementation: str | None):
     torch.manual_seed(0)  # both ranks and both copies: the same weights
-    if arch == "llama":
-        return build_llama(LlamaArgs(dim=32, n_layers=2, n_heads=heads, n_kv_heads=kv_heads,
-                                     vocab_size=VOCAB, ffn_hidden=48, max_seq_len=SEQ),
-                           device="cpu")
+    if arch in ("llama", "qwen3"):  # Qwen3: heads of 16 on a dim of 32, q/k norms
+        build = build_llama if arch == "llama" else build_qwen3
+        return build(LlamaArgs(dim=32, n_layers=2, n_heads=heads, n_kv_heads=kv_heads,
+                               vocab_size=VOCAB, ffn_hidden=48, max_seq_len=SEQ,
+                               head_width=None if arch == "llama" else 16), device="cpu")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.models.hf import HFCausalLM

@@ -129,6 +129,7 @@ def _two_ranks(rank: int, world: int, work: str) -> dict:
     chunked = ["checkpointing.head=chunked", "checkpointing.head_chunk_tokens=16"]
     llama, hf = [*base, "model.dropout=0.0"], [*base, "model=hf", HF_LLAMA]
     dropout = [*base, "model.dropout=0.1"]
+    qwen3 = [*base, "model=qwen3_tiny", "model.dropout=0.0"]
     # A mean loss (token windows, no packing): each slice's mean, averaged over the ranks.
     tokens = ["data=synthetic", "data.seq_len=64", "model.dropout=0.0",
               "data.val_fraction=0.2", "logging.wandb=false", "logging.progress=false",
@@ -149,6 +150,9 @@ def _two_ranks(rank: int, world: int, work: str) -> dict:
                                *chunked], [*hf, *n1, *chunked]),
         "compiled-tiles-sequence": ([*llama, *n2, "checkpointing.tiles=2", "train.compile=true",
                                      "train.compile_backend=aot_eager"], [*llama, *n1]),
+        # Qwen3 (q/k norms, heads wider than dim / n_heads, tied): sequence x tiles x chunked.
+        "qwen3-tiles-sequence": ([*qwen3, *n2, "checkpointing=full", "checkpointing.tiles=2",
+                                  *chunked], [*qwen3, *n1, *chunked]),
         "compiler-tiles": ([*llama, *n1, "checkpointing=compiler", "checkpointing.budget=0.5",
                             "train.compile=true", "train.compile_backend=aot_eager",
                             "checkpointing.tiles=2"], [*llama, *n1]),
@@ -175,7 +179,7 @@ def two_ranks(work) -> list[dict]:
 
 
 CASES = ("synthetic", "synthetic-chunked", "llama", "hf", "hf-plain-selective", "tiles-none", "tiles-full", "tiles-selective-disk",
-         "hf-tiles-sequence", "compiled-tiles-sequence", "compiler-tiles")
+         "hf-tiles-sequence", "compiled-tiles-sequence", "compiler-tiles", "qwen3-tiles-sequence")
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -50,7 +50,9 @@ def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dic
 
 
 def _state(step: int) -> dict:
-    return {"progress": {"step": step}, "config": {"model": {"name": "toy"}}}
+    # A family that exports its tensors as the model names them (the ViT's; the built-in
+    # Llama's and Qwen3's export in transformers' names: tests/test_qwen3.py).
+    return {"progress": {"step": step}, "config": {"model": {"name": "toy", "arch": "vit"}}}
 
 
 def _save_after_training(rank: int, world_size: int, root: str) -> tuple[dict, dict]:
@@ -208,7 +210,7 @@ def test_export_writes_the_full_model_as_safetensors(tmp_path) -> None:
     assert exported.keys() == saved[1].keys()
     assert all(torch.equal(exported[k], saved[1][k]) for k in exported)
     with open(run / "export" / "step_00000002" / "config.json") as f:
-        assert json.load(f)["model"] == {"name": "toy"}
+        assert json.load(f)["model"] == {"name": "toy", "arch": "vit"}
     # A checkpoint whose files no longer match their commit marker is refused, naming why.
     with open(run / "checkpoints" / "step_00000001" / "state.json", "a") as f:
         f.write(" ")

@@ -60,11 +60,14 @@ def check_writable(path: str, key: str) -> None:
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # preset name, for logs and run names
-    arch: str = "llama"  # the family (trainer/models/families/): llama, hf, vit, hf_vision, timm
+    arch: str = "llama"  # the family (trainer/models/families/): llama, qwen3, hf, vit, hf_vision, timm
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 2
+    # Width of one attention head; null: dim / n_heads. Qwen3 sets it (Qwen3-32B: dim 5120,
+    # 64 heads of 128, so its query projection is 8192 wide).
+    head_dim: Optional[int] = None
     vocab_size: int = 256
     ffn_hidden: int = 384
     max_seq_len: int = 512
@@ -346,9 +349,9 @@ def register_schema() -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-# model.arch's choices are the model families' (trainer/models/families/), which refuse others.
+# model.arch's choices are the model families' (trainer/models/families/), data.source's the
+# sources' (trainer/data/factory.py): each refuses others.
 CHOICES = {
-    "data.source": ("bytes", "tokens", "synthetic", "text", "chat", "images", "synthetic_images"),
     "data.train_on": ("assistant", "last", "all"),
     "data.format": ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"),
     "checkpointing.head": ("plain", "chunked"),

@@ -41,7 +41,6 @@ from trainer.faults import (CollectiveFailure, LossFn, LossGuard, PreemptionSign
 from trainer.preflight.auto_plan import auto_decides, auto_rows, auto_table
 from trainer.preflight.auto_run import AUTO_FILE, run_auto
 from trainer.models.families import family_of
-from trainer.models.llama import lm_loss
 from trainer.observe.dashboard import end_of_run, start_logging, start_of_run
 from trainer.observe.evaluate import Evaluation
 from trainer.observe.metrics import peak_memory_bytes, run_summary, summary_fields
@@ -74,11 +73,12 @@ class StepParts:
     vote: Optional[StopVote] = None  # its ballot rides on the step's one all-reduce
 
 
-def train_step(parts: StepParts, micro_batches: Sequence[Batch], loss_fn: LossFn = lm_loss,
+def train_step(parts: StepParts, micro_batches: Sequence[Batch], loss_fn: LossFn,
                normaliser: Optional[int] = None) -> tuple[float, float, Verdict, list[int]]:
     """One optimizer step over this rank's micro-batches; returns (loss, grad norm, verdict,
     the stop vote's ballots summed over the ranks: read after the backward).
 
+    loss_fn: the task's loss (trainer/task.py), or a drill's that spoils it (trainer/faults.py).
     normaliser: for a loss summed over supervised targets (packed documents), their count in
     the whole global batch, so that the loss is their mean whatever the micro-batches and
     ranks hold (gradients are averaged over ranks, hence the world size). Otherwise each

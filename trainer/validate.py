@@ -10,7 +10,7 @@ from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Confi
                             ModelConfig, TrainConfig, check_writable, require)
 from trainer.data.base import ModelFacts
 from trainer.data.factory import source_of
-from trainer.models.families import Family, family_of
+from trainer.models.families import family_of
 from sharding.layout import Layout, LayoutError, make_layout
 
 
@@ -19,27 +19,6 @@ def _get(cfg: Config, key: str):
     for part in key.split("."):
         node = getattr(node, part)
     return node
-
-
-def _check_text(cfg: Config, family: Family) -> None:
-    m = cfg.model
-    family.validate(m)
-    require((m.dim // m.n_heads) % 2 == 0, "model.n_heads",
-            f"head size model.dim/model.n_heads={m.dim // m.n_heads} must be even (rotary)")
-    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
-            f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
-    require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len",
-            f"{cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-
-
-def _check_images(cfg: Config, family: Family) -> None:
-    m = cfg.model
-    for key in ("model.image_size", "model.patch_size", "model.num_classes"):
-        require(_get(cfg, key) > 0, key, f"must be a positive integer, got {_get(cfg, key)}")
-    require(m.image_size % m.patch_size == 0, "model.patch_size",
-            f"must divide model.image_size={m.image_size}, got {m.patch_size}")
-    require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
-    family.validate(m)
 
 
 def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
@@ -97,6 +76,7 @@ def _check_tiles(cfg: Config, degree: int) -> None:
 def _check_ranges(cfg: Config) -> None:
     """Choices, signs and ranges of single values."""
     family_of(cfg.model)  # model.arch first: the registry refuses an arch without a family
+    source_of(cfg.data)  # then data.source: the sources refuse a name that is none of theirs
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         require(value in allowed, key, f"got {value!r}; choose one of {', '.join(allowed)}")
@@ -231,16 +211,10 @@ def _check_model_and_data(cfg: Config) -> None:
     """The data's own settings, the model, then the data against the model (its files too)."""
     source = source_of(cfg.data)
     source.check(cfg.data)
-    m = cfg.model
-    require(m.dim % m.n_heads == 0, "model.n_heads",
-            f"must divide model.dim={m.dim}, got {m.n_heads}")
-    family = family_of(m)
-    source.check_reader(not family.language_model, family.arch)
-    if family.language_model:
-        _check_text(cfg, family)
-    else:
-        _check_images(cfg, family)
-    source.check_files(cfg.data, model_facts(m))
+    family = family_of(cfg.model)
+    source.check_reader(family.sample, family.arch)
+    family.validate(cfg.model, cfg.data.seq_len)
+    source.check_files(cfg.data, model_facts(cfg.model))
 
 
 def model_facts(m: ModelConfig) -> ModelFacts:

@@ -41,6 +41,7 @@ class Source:
     """One kind of data. `name` is data.source; subclasses say what differs."""
 
     sums_loss = False  # the loss is a sum over supervised targets (packed documents)
+    sample = "tokens"  # what one sample is: the model's family must read the same
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -50,10 +51,11 @@ class Source:
         require(not d.augment, "data.augment",
                 f"only applies to data=images (now data.source={self.name})")
 
-    def check_reader(self, reads_images: bool, arch: str) -> None:
-        """The model (`arch`, named in the message) reads this kind of sample."""
-        require(not reads_images, "data.source",
-                f"model.arch=vit classifies images; use data=synthetic_images or data=images "
+    def check_reader(self, sample: str, arch: str) -> None:
+        """The model (`arch`, named in the message) reads this kind of sample: `sample` is its
+        family's ("tokens" or "images", trainer/models/families/base.py)."""
+        require(sample == self.sample, "data.source",
+                f"model.arch={arch} classifies images; use data=synthetic_images or data=images "
                 f"(now data.source={self.name})")
 
     def check_files(self, d: DataConfig, model: ModelFacts) -> None:

@@ -15,12 +15,14 @@ if TYPE_CHECKING:
 
 
 class ImageSource(Source):
+    sample = "images"
+
     def check(self, d: DataConfig) -> None:
         require(not d.augment or self.name == "images", "data.augment",
                 f"only applies to data=images (now data.source={self.name})")
 
-    def check_reader(self, reads_images: bool, arch: str) -> None:
-        require(reads_images, "data.source",
+    def check_reader(self, sample: str, arch: str) -> None:
+        require(sample == self.sample, "data.source",
                 f"{self.name} are images, which model.arch={arch} does not read; use "
                 "model=vit or a text source (data=bytes, tokens or synthetic)")
 

@@ -52,10 +52,12 @@ class LlamaArgs:
     # Packed batches only: "auto" (FlexAttention on CUDA, an SDPA boolean mask elsewhere),
     # "sdpa" or "flex"; see trainer/models/doc_attention.py.
     packed_attention: str = "auto"
+    # One attention head's width when it is not dim // n_heads (Qwen3: model.head_dim).
+    head_width: int | None = None
 
     def __post_init__(self) -> None:
         # Fail at config time rather than with an opaque view()/reshape error mid-forward.
-        if self.dim % self.n_heads != 0:
+        if self.head_width is None and self.dim % self.n_heads != 0:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
@@ -68,7 +70,7 @@ class LlamaArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_width or self.dim // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +121,7 @@ class Attention(nn.Module):
         q = q.view(batch, seq_len, self.n_heads, self.head_dim)
         k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = self.norm_heads(q, k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         # SDPA wants heads before time.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -129,6 +132,10 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim)
         return self.wo(out)
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [B, T, heads, head_dim] before rotary: unchanged (Qwen3 normalises each head)."""
+        return q, k
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -164,10 +171,12 @@ class Block(nn.Module):
     attention's input side (attention_norm, then wq/wk/wv) and the MLP half (ffn_norm, then
     feed_forward). Rotary, attention itself and wo stay whole."""
 
+    attention_class = Attention  # a variant's block swaps its attention (trainer/models/qwen3.py)
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = self.attention_class(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
         self.residual_dropout = nn.Dropout(args.dropout)
@@ -213,11 +222,13 @@ def _trained(*modules: nn.Module) -> list[torch.Tensor]:
 
 
 class Llama(nn.Module):
+    block_class = Block  # a variant swaps its blocks (trainer/models/qwen3.py)
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block_class(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # The ranks sharing each sample (families/llama.py's sequence_parallel); None: alone.
@@ -308,7 +319,11 @@ class Llama(nn.Module):
 
         Raises KeyError for names this model does not have.
         """
-        return init_rule(self.args, name)[1]
+        return self.init_rule(name)[1]
+
+    def init_rule(self, name: str) -> tuple[tuple[int, ...], float | None]:
+        """``(full shape, std)`` of parameter ``name``; a variant adds its own parameters'."""
+        return init_rule(self.args, name)
 
     def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full (unsharded) tensor of parameter ``name`` in place.
@@ -324,7 +339,7 @@ class Llama(nn.Module):
         values depend only on the generator state and the shape, not on the dtype or
         device of ``full``.
         """
-        shape, std = init_rule(self.args, name)
+        shape, std = self.init_rule(name)
         if tuple(full.shape) != shape:
             raise ValueError(
                 f"{name}: expected the full tensor of shape {shape}, got {tuple(full.shape)}"

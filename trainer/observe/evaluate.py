@@ -20,7 +20,8 @@ Batch = tuple[torch.Tensor, ...]
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task,
              device: torch.device) -> dict[str, float]:
-    """val_loss, and val_accuracy (top-1) for classification, over every rank's batches.
+    """The task's validation figures (val_loss; a classifier's val_accuracy too) over every
+    rank's batches.
     The batches wait in host memory (high-resolution images are large) and visit the device
     one at a time."""
     model.eval()
@@ -32,12 +33,7 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], task: Task,
         correct += batch_correct
     reshard_all(model)
     model.train()
-    if task.summed:  # the mean over every rank's supervised targets
-        return {"val_loss": mean_over_ranks(loss) / max(mean_over_ranks(correct), 1e-30)}
-    metrics = {"val_loss": mean_over_ranks(loss / len(batches))}
-    if task.kind == "classification":
-        metrics["val_accuracy"] = mean_over_ranks(correct / len(batches))
-    return metrics
+    return task.eval_metrics(loss, correct, len(batches), mean_over_ranks)
 
 
 class Evaluation:

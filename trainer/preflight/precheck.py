@@ -120,18 +120,8 @@ def _data(cfg: Config) -> None:
 
 
 def _head(cfg: Config) -> None:
-    """checkpointing.head=chunked: the chunk's fp32 logits fit the budget, and the model's
-    logits are hidden @ W.T (no bias, scale or soft-capping) so the fused head gives them."""
-    c, family = cfg.checkpointing, family_of(cfg.model)
-    if c.head != "chunked" or not family.language_model:
-        return  # image models keep their own (small) head
-    vocab, budget = family.vocab_size(cfg.model), c.head_budget_mib * 2**20
-    tokens = c.head_chunk_tokens or 1
-    if tokens * vocab * 4 > budget:
-        what = (f"checkpointing.head_chunk_tokens={c.head_chunk_tokens} tokens" if
-                c.head_chunk_tokens else "one token")
-        raise ConfigError("checkpointing.head_budget_mib", f"{what} of a {vocab:,}-word "
-                          f"vocabulary is {tokens * vocab * 4 / 2**20:.1f} MiB of fp32 logits, "
-                          f"over the budget of {c.head_budget_mib} MiB: raise it, or lower "
-                          "checkpointing.head_chunk_tokens")
-    family.check_fused_head(cfg.model)
+    """checkpointing.head=chunked: what the fused chunked head needs of the model (its family
+    says: a language model's chunk of fp32 logits fits the budget, and its logits are
+    hidden @ W.T)."""
+    if cfg.checkpointing.head == "chunked":
+        family_of(cfg.model).check_head(cfg.model, cfg.checkpointing)

@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Mapping
 
 from trainer.config import ModelConfig, require
-from trainer.models.families import hf, hf_vision, llama, timm, vit
+from trainer.models.families import hf, hf_vision, llama, qwen3, timm, vit
 from trainer.models.families.base import Family, ImageClassifier, LanguageModel, Task
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (llama.FAMILY, hf.FAMILY, vit.FAMILY,
-                                                   hf_vision.FAMILY, timm.FAMILY)}
+                                                   hf_vision.FAMILY, timm.FAMILY, qwen3.FAMILY)}
 
 __all__ = ["FAMILIES", "Family", "ImageClassifier", "LanguageModel", "Task", "family_named",
            "family_of", "family_of_saved"]

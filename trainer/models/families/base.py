@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from checkpointing.plan import default_chunk_tokens
-from trainer.config import CheckpointingConfig, ConfigError, ModelConfig
+from trainer.config import CheckpointingConfig, ConfigError, ModelConfig, require
 
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default)
 
@@ -109,19 +109,34 @@ class Task:
         correct = (logits.argmax(dim=-1) == targets).float().mean()
         return self.criterion(logits, targets), correct
 
+    def eval_metrics(self, loss: torch.Tensor, second: torch.Tensor, batches: int,
+                     mean: Callable[[torch.Tensor], float]) -> dict[str, float]:
+        """The validation figures from the sums over `batches` batches of eval_batch's two
+        results on this rank; `mean` averages a value over the ranks (a collective: every
+        rank calls it, in this order). val_loss; a classifier's val_accuracy (top-1) too."""
+        if self.summed:  # the mean over every rank's supervised targets
+            return {"val_loss": mean(loss) / max(mean(second), 1e-30)}
+        metrics = {"val_loss": mean(loss / batches)}
+        if self.kind == "classification":
+            metrics["val_accuracy"] = mean(second / batches)
+        return metrics
+
 
 class Family:
     """The questions the trainer asks of a model family; a family module subclasses
     `LanguageModel` or `ImageClassifier` and answers the rest."""
 
     arch = ""  # the model.arch value that chooses this family (conf/model/*.yaml)
-    language_model = True  # next-token prediction on tokens; False: classifies images
+    # What one sample is, for the data sources to check theirs against (trainer/data/):
+    # "tokens" (a language model) or "images" (a classifier).
+    sample = "tokens"
     vocab_key = "model.vocab_size"  # the key that sets its vocabulary, for error messages
 
     # Settings, checked without torch.
-    def validate(self, m: ModelConfig) -> None:
-        """The family's own settings, after the checks every model of its kind shares
-        (trainer/validate.py); a mistake raises the ConfigError naming its key."""
+    def validate(self, m: ModelConfig, seq_len: int) -> None:
+        """The family's own settings (its shapes, its files), and data.seq_len = `seq_len`
+        against them; a mistake raises the ConfigError naming its key. Subclasses call the
+        base of their kind first (ImageClassifier's checks the image settings)."""
 
     def check_deep(self, m: ModelConfig) -> None:
         """Checks that need the family's library (trainer/preflight/precheck.py, before the run)."""
@@ -226,8 +241,10 @@ class Family:
              head: CheckpointingConfig) -> Task:
         raise NotImplementedError
 
-    def check_fused_head(self, m: ModelConfig) -> None:
-        """checkpointing.head=chunked: refuse a model whose logits are not hidden @ W.T."""
+    def check_head(self, m: ModelConfig, head: CheckpointingConfig) -> None:
+        """checkpointing.head=chunked (trainer/preflight/precheck.py): refuse, naming the key,
+        what the fused chunked head cannot do for this model. Here nothing: a model without
+        the chunked head keeps its own (image classifiers: small) head."""
 
     def image_preprocessing(self, m: ModelConfig) -> Optional[dict]:
         """The pretrained model's own image_mean, image_std and resample (None: the defaults
@@ -256,7 +273,7 @@ class LanguageModel(Family):
     """Next-token prediction over data.seq_len tokens, with the plain head (logits, then
     cross-entropy) or the fused chunked head (checkpointing.head=chunked)."""
 
-    language_model = True
+    sample = "tokens"
 
     def head_chunk(self, m: ModelConfig, head: CheckpointingConfig) -> Optional[int]:
         """Tokens per chunk of the fused chunked head; None for the plain head."""
@@ -277,12 +294,39 @@ class LanguageModel(Family):
                     head_chunk=self.head_chunk(m, head), gather_rows=gather,
                     meta_fraction=head.head_supervised_fraction or 1.0)
 
+    def check_head(self, m: ModelConfig, head: CheckpointingConfig) -> None:
+        """The chunk's fp32 logits fit checkpointing.head_budget_mib, and the model's logits
+        are hidden @ W.T (check_fused_head) so the fused head gives them."""
+        vocab, budget = self.vocab_size(m), head.head_budget_mib * 2**20
+        tokens = head.head_chunk_tokens or 1
+        if tokens * vocab * 4 > budget:
+            what = (f"checkpointing.head_chunk_tokens={head.head_chunk_tokens} tokens" if
+                    head.head_chunk_tokens else "one token")
+            raise ConfigError("checkpointing.head_budget_mib", f"{what} of a {vocab:,}-word "
+                              f"vocabulary is {tokens * vocab * 4 / 2**20:.1f} MiB of fp32 "
+                              f"logits, over the budget of {head.head_budget_mib} MiB: raise "
+                              "it, or lower checkpointing.head_chunk_tokens")
+        self.check_fused_head(m)
+
+    def check_fused_head(self, m: ModelConfig) -> None:
+        """Refuse a model whose logits are not hidden @ W.T (bias, scale, soft-capping)."""
+
 
 class ImageClassifier(Family):
     """A class per square image of model.image_size pixels, seen as patch tokens; the head is a
     small classifier, always plain."""
 
-    language_model = False
+    sample = "images"
+
+    def validate(self, m: ModelConfig, seq_len: int) -> None:
+        """What every image classifier needs: positive sizes, a patch that divides the image,
+        grey or RGB (data.seq_len does not apply: a sample is an image)."""
+        for key in ("image_size", "patch_size", "num_classes"):
+            value = getattr(m, key)
+            require(value > 0, f"model.{key}", f"must be a positive integer, got {value}")
+        require(m.image_size % m.patch_size == 0, "model.patch_size",
+                f"must divide model.image_size={m.image_size}, got {m.patch_size}")
+        require(m.channels in (1, 3), "model.channels", f"1 (grey) or 3 (RGB), got {m.channels}")
 
     def task(self, m: ModelConfig, seq_len: int, summed: bool,
              head: CheckpointingConfig) -> Task:

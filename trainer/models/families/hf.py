@@ -23,7 +23,7 @@ class HFCausalLM(LanguageModel):
     arch = "hf"
     vocab_key = "model.hf_config.vocab_size"
 
-    def validate(self, m: ModelConfig) -> None:
+    def validate(self, m: ModelConfig, seq_len: int) -> None:
         check_hf_source(m)
         require(m.dropout == 0, "model.dropout",
                 "unused with model.arch=hf; set the HF config's own dropout fields instead")

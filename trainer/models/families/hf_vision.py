@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 class HFVision(ImageClassifier):
     arch = "hf_vision"
 
-    def validate(self, m: ModelConfig) -> None:
+    def validate(self, m: ModelConfig, seq_len: int) -> None:
+        super().validate(m, seq_len)
         check_hf_source(m)
         patch = int(hf_fields(m).get("patch_size", 16))
         require(m.patch_size == patch, "model.patch_size",

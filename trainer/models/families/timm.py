@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 class Timm(ImageClassifier):
     arch = "timm"
 
-    def validate(self, m: ModelConfig) -> None:
+    def validate(self, m: ModelConfig, seq_len: int) -> None:
         """timm importable, the model known, timm_args accepted, the patch size the model's
         (this builds the model on meta, so it imports torch and timm)."""
+        super().validate(m, seq_len)
         from trainer.models.timm_vision import check_timm
 
         check_timm(m)

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 class ViT(ImageClassifier):
     arch = "vit"
 
-    def validate(self, m: ModelConfig) -> None:
+    def validate(self, m: ModelConfig, seq_len: int) -> None:
+        super().validate(m, seq_len)
+        require(m.dim % m.n_heads == 0, "model.n_heads",
+                f"must divide model.dim={m.dim}, got {m.n_heads}")
         require(m.hf_config is None, "model.hf_config", "only applies to model.arch=hf")
         if m.path is not None:
             self._check_pretrained(m)
