@@ -228,7 +228,8 @@ class Trainer:
             self.watchdog = TimeoutWatchdog(denv.rank, t.dist_timeout_s)
             self.data = open_data(cfg.data, model_facts(cfg.model), Sampling(
                 denv.rank, denv.world_size, t.micro_batch_size, layout.grad_accum, t.seed,
-                t.eval_batches, preparer=denv.local_rank == 0, sequence=layout.sequence),
+                t.eval_batches, preparer=denv.local_rank == 0, sequence=layout.sequence,
+                local_size=denv.local_world_size),
                 family_of(cfg.model).image_preprocessing(cfg.model), self.device, self.watchdog)
             self.closing.callback(self.data.close)
             # Under torchrun, a worker whose agent was killed (kill -9 leaves no one to stop

@@ -40,6 +40,7 @@ class Sampling:
     # sharding.sequence: groups of this many adjacent ranks read the same samples, each its
     # contiguous slice of every sample's tokens.
     sequence: int = 1
+    local_size: int = 1  # ranks on this node (data.num_proc's default splits its cores)
 
     @property
     def data_rank(self) -> int:
