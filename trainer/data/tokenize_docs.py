@@ -58,7 +58,7 @@ def _text_batch(tokenizer, settings: DocSettings, eos: int, path: str):
                 continue
             where = record_name(path, index, {"id": batch["id"][n]} if "id" in batch else {})
             why = (f"data.text_field: {settings.text_field!r} of {where} is "
-                   f"{'null' if text is None else 'a ' + type(text).__name__}, not text")
+                   f"{'null' if text is None else f'{type(text).__name__} {text!r}'}, not text")
             if not settings.skip_bad_records:
                 raise DataError(f"{why}; fix the record, or set data.skip_bad_records=true to "
                                 "skip such records (counted)")
