@@ -95,7 +95,11 @@ def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[s
     root = cache_dir or default_cache_dir()
     key = cache_key(path, val_path, tokenizer, settings)
     folder = os.path.join(root, key)
+    fresh = not os.path.exists(os.path.join(folder, "meta.json"))
     meta = _trusted(folder, path, val_path, tokenizer, settings, preparer, vocab_size, num_proc)
+    if preparer and not fresh:  # a fresh one said it in its summary line
+        log.info("data: %s training windows cached in %s; %s", f"{meta['train']['windows']:,}",
+                 folder, fill_line(meta["train"], settings.seq_len))
     train = PackedWindows(os.path.join(folder, "train"))
     files = {"data.path": source_fingerprint(path),
              "data.val_path": source_fingerprint(val_path) if val_path else None}
@@ -217,8 +221,17 @@ def summary_line(meta: dict, folder: str) -> str:
     return (f"{meta['documents']:,} documents tokenized in {meta['tokenize_s']:.1f} s "
             f"({meta['documents'] / max(meta['tokenize_s'], 1e-9):,.0f} docs/s, "
             f"{meta['tokens'] / max(meta['tokenize_s'], 1e-9):,.0f} tokens/s); train: "
-            f"{t['windows']:,} windows, {t['supervised']:,} supervised tokens, packing "
-            f"efficiency {t['efficiency']:.1%}; {skipped_line(meta)}; cached in {folder}")
+            f"{t['windows']:,} windows, {t['supervised']:,} supervised tokens, "
+            f"{fill_line(t, meta['settings']['seq_len'])}; {skipped_line(meta)}; cached in "
+            f"{folder}")
+
+
+def fill_line(split: dict, seq_len: int) -> str:
+    """How full a split's windows are, and how much of what fills them is learned."""
+    real = split["real_tokens"]
+    return (f"packing efficiency {real / max(1, split['windows'] * seq_len):.1%} (real tokens "
+            f"over window tokens), supervised fraction {split['supervised'] / max(1, real):.1%}"
+            " (of the real tokens)")
 
 
 def skipped_line(meta: dict) -> str:

@@ -134,7 +134,17 @@ def tokenize(records, tokenizer, settings: DocSettings, progress: Optional[_Prog
     return records.map(encode_and_count, batched=True, batch_size=BATCH, with_indices=True,
                        remove_columns=records.column_names, load_from_cache_file=False,
                        keep_in_memory=False, num_proc=procs if procs > 1 else None,
-                       desc="tokenizing")
+                       desc="tokenizing", new_fingerprint=_fingerprint(records, settings))
+
+
+def _fingerprint(records, settings: DocSettings) -> str:
+    """The output's name in `datasets`' cache, given here: by default `datasets` hashes the
+    function with its tokenizer, which takes seconds (and its cache is not read again:
+    load_from_cache_file=False). Unique per call, so no two preparations share files."""
+    import hashlib
+
+    text = f"{records._fingerprint}{settings}{os.getpid()}{time.time_ns()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _usable(docs, settings: DocSettings, bad_here: int):
@@ -274,11 +284,13 @@ def pack_split(folder: str, docs, seq_len: int, pad_id: int, settings: DocSettin
                         "data.seq_len or set data.overlong=truncate")
     write_windows(folder, windows, num, seq_len, os.path.dirname(os.path.dirname(folder)))
     counts = np.load(os.path.join(folder, "counts.npy"))
-    supervised = int(counts[:, 0].sum())
+    supervised, real = int(counts[:, 0].sum()), int(counts[:, 1].sum())
     top = max(int(np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r").max())
               for name in ("inputs", "targets"))
-    return {"windows": num, "supervised": supervised, "real_tokens": int(counts[:, 1].sum()),
-            "efficiency": supervised / max(1, num * seq_len), "truncated": int(truncated),
+    # efficiency: real tokens over the windows' capacity; supervised_fraction: of the real.
+    return {"windows": num, "supervised": supervised, "real_tokens": real,
+            "efficiency": real / max(1, num * seq_len),
+            "supervised_fraction": supervised / max(1, real), "truncated": int(truncated),
             "dropped_overlong": int(dropped), "max_id": top}
 
 
