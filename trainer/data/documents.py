@@ -195,6 +195,8 @@ def _prepare_locked(folder: str, path: str, val_path: Optional[str], tokenizer,
         shutil.rmtree(work, ignore_errors=True)
         try:
             with stop_signals(path):
+                log.info("data: tokenizing %s in %d process%s into %s", path, num_proc,
+                         "es" if num_proc > 1 else "", folder)
                 meta = prepare(work, path, val_path, tokenizer, settings, num_proc)
                 meta["files"] = describe(work)
                 write_json(os.path.join(work, "meta.json"), meta)
