@@ -332,7 +332,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
     on a quick machine the run trains by then, and its own Ctrl-C line says it saves): exit 130
     with one line, never a KeyboardInterrupt trace nor SIGINT's default action (status -2: the
     4 s Ctrl-C once landed in the interpreter's teardown of a run that had just ended, where
-    every handler is the default again; the entry point now exits without it)."""
+    every handler is the default again; the entry point now exits without it: see
+    tests/test_start_signals.py)."""
     import signal
     import subprocess
     import time
@@ -349,37 +350,6 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
     _, err = child.communicate(timeout=120)
     assert child.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(("interrupted", "Ctrl-C: finishing")), err
-
-
-def test_ctrl_c_is_handled_until_the_process_is_gone(tmp_path) -> None:
-    """The cause of the 4 s case above: the interpreter's teardown put SIGINT back to its
-    default action for its last moments (a Ctrl-C there: status -2, no line). Sampled from
-    outside while a short run ends: SIGINT is caught whenever the process is there."""
-    import subprocess
-    import time
-
-    from tests.helpers import REPO, subprocess_env, trainer_command
-
-    child = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=2",
-                                              "save.every=0",
-                                              f"hydra.run.dir={tmp_path / 'run'}"]),
-                             cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    status, seen, uncaught = Path(f"/proc/{child.pid}/status"), 0, []
-    time.sleep(0.5)  # the interpreter's own start, before the entry point's first line
-    while child.poll() is None:
-        try:
-            lines = status.read_text().splitlines()
-        except OSError:
-            break
-        state = next((line.split()[1] for line in lines if line.startswith("State:")), "Z")
-        caught = next(line for line in lines if line.startswith("SigCgt:"))
-        if state != "Z":  # a zombie has ended; only its status is left
-            seen += 1
-            if not int(caught.split()[1], 16) & 1 << (2 - 1):
-                uncaught.append(seen)
-        time.sleep(0.005)
-    assert child.wait() == 0 and seen > 10 and not uncaught, (seen, uncaught)
 
 
 @pytest.mark.parametrize("after_s", [0.5, 1.2, 3.0])

@@ -199,3 +199,32 @@ def test_a_kill_is_the_status_even_where_a_peer_then_stopped_with_75() -> None:
     failures = {0: ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM,
                                   error_file="")}
     assert status_of(ChildFailedError("trainer", failures), stopped) == 75
+
+
+def test_ctrl_c_is_handled_until_the_process_is_gone(tmp_path) -> None:
+    """The cause of tests/test_clear_errors.py's 4 s Ctrl-C case: the interpreter's teardown
+    put SIGINT back to its default action for its last moments (a Ctrl-C there: status -2, no
+    line). Sampled from outside while a short run ends: SIGINT is caught whenever the process
+    is there, from the entry point's first line on."""
+    from tests.helpers import REPO, subprocess_env, trainer_command
+
+    child = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=2",
+                                              "save.every=0",
+                                              f"hydra.run.dir={tmp_path / 'run'}"]),
+                             cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    status, seen, uncaught = Path(f"/proc/{child.pid}/status"), 0, []
+    _until(lambda: _catches(child.pid, signal.SIGINT), child, "the entry point's handler")
+    while child.poll() is None:
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:
+            break
+        state = next((line.split()[1] for line in lines if line.startswith("State:")), "Z")
+        caught = next(line for line in lines if line.startswith("SigCgt:"))
+        if state != "Z":  # a zombie has ended; only its status is left
+            seen += 1
+            if not int(caught.split()[1], 16) & 1 << (2 - 1):
+                uncaught.append(seen)
+        time.sleep(0.005)
+    assert child.wait() == 0 and seen > 10 and not uncaught, (seen, uncaught)
