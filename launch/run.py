@@ -4,8 +4,11 @@ torchrun, stopping the way a training run needs.
 The options are torchrun's own (its parser), and so are the rendezvous, the agent and the worker
 processes; only these differ:
 
-- Ctrl-C (SIGINT) and SIGTERM are passed to the workers, which finish their step, save and exit,
-  and the agent waits for that however long it takes. torchrun's agent SIGKILLs them once its
+- Ctrl-C (SIGINT), SIGTERM, SIGUSR1 and SIGUSR2 (the trainer's `save.signal` choices, and the
+  one a `save.signal=` override names) are passed to the workers, which finish their step, save
+  and exit, and the agent waits for that however long it takes; the launcher's status is
+  theirs. Before any worker started, a stop signal ends the launcher (130 for Ctrl-C, else 75)
+  with one line. torchrun's agent SIGKILLs them once its
   `--shutdown-timeout` (30 s) runs out, mid-step or mid-save on a large model.
 - A second Ctrl-C stops them at once: passed on again (each worker's own stop at once: a torn save
   removed, one line), then SIGKILL for any still running STOP_AT_ONCE_S later (one blocked in a
@@ -13,8 +16,10 @@ processes; only these differ:
   sessions, so only what the agent passes on reaches them.
 - The exit status is the workers' own: 0, 130 (Ctrl-C), 75 (saved and stopped), 74 (a save
   failed), 2 (a setting), 1; nothing is printed besides their lines, except one line for a worker
-  killed by a signal (it could say nothing itself; exit 1). torchrun prints its SignalException
-  or ChildFailedError trace and exits 1.
+  killed by a signal (it could say nothing itself; exit 1, also where its peers then stopped
+  with 75: a requeue would loop on a kill). A worker ended by the very signal this launcher
+  passed on (it came before the worker's Python could handle it) stopped as asked: 130 for
+  Ctrl-C, else 75. torchrun prints its SignalException or ChildFailedError trace and exits 1.
 - A group in which a worker exits with one of those deliberate statuses is not restarted under
   --max-restarts, and that status is the launcher's, also when a peer failed as it left: only
   crashes are restarted.
@@ -38,6 +43,10 @@ STOP_AT_ONCE_S = 3.0
 # a failed save, a setting. A restart would not change them.
 DELIBERATE = {2, 74, 75, 130}
 INTERRUPTED = 130
+STOPPED = 75  # the trainer's preemption status: start the same run again
+# Passed on to the workers: Ctrl-C, SIGTERM, and the trainer's save.signal choices that torchrun
+# does not handle itself (SIGHUP is torchrun's, unless a save.signal= override names it).
+FORWARDED = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
 USAGE_ERROR = 2  # a mistake on the command line, as the trainer's own
 # After one worker's deliberate exit, how long the others get to end by themselves before the
 # agent stops them: they take the same decision at the same step boundary, or a moment later
@@ -54,9 +63,10 @@ _TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run",
 class Group:
     """What this launcher knows of its workers: the agent running them and the stop asked for."""
 
-    def __init__(self) -> None:
+    def __init__(self, forwarded: Sequence[str] = FORWARDED) -> None:
         self.agent = None
-        self.stopping: Optional[signal.Signals] = None  # SIGINT or SIGTERM, once asked
+        self.forwarded = tuple(forwarded)
+        self.stopping: Optional[signal.Signals] = None  # the first stop signal passed on
         self.at_once = False  # a second Ctrl-C
         self.deliberate = False  # a worker ended with one of DELIBERATE
         self.killed_rank0 = False  # rank 0 had to be SIGKILLed: it printed no line
@@ -68,9 +78,11 @@ class Group:
 
     def on_signal(self, number: int, frame: object) -> None:
         pids = self.pids()
-        if not pids:  # still in the rendezvous: nothing started, nothing to save
-            raise KeyboardInterrupt
         sig = signal.Signals(number)
+        if not pids:  # still in the rendezvous: nothing started, nothing to save
+            if sig == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise StoppedBeforeStart(sig)
         if sig == signal.SIGINT and self.stopping == signal.SIGINT:
             self.at_once = True
             _send(pids.values(), signal.SIGINT)
@@ -91,9 +103,18 @@ class Group:
         return getattr(group, "group_rank", 0) or 0
 
     def install(self) -> None:
-        """Ours for SIGINT and SIGTERM, replacing what torchrun set when it started workers."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.on_signal)
+        """Ours for the forwarded signals, replacing what torchrun set when it started
+        workers."""
+        for name in self.forwarded:
+            signal.signal(getattr(signal, name), self.on_signal)
+
+
+class StoppedBeforeStart(Exception):
+    """A stop signal (not Ctrl-C) before any worker started."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(sig.name)
+        self.sig = sig
 
 
 def _send(pids, sig: signal.Signals) -> None:
@@ -165,10 +186,23 @@ def status_of(failed, group: Group) -> int:
             print(AT_ONCE_LINE, file=sys.stderr, flush=True)
         return INTERRUPTED
     rank, first = failed.get_first_failure()
-    decided = [f for f in failed.failures.values() if f.exitcode in DELIBERATE]
-    first = decided[0] if decided else first  # the decision, not a peer's failure after it
+    # A worker killed by a signal nobody here sent (kill -9, the OOM killer) is the news, also
+    # where the others then stopped deliberately (75, asked to by torchrun's stop): a requeue
+    # on 75 would run into the same kill again.
+    asked = group.stopping.value if group.stopping else None
+    killed = {r: f for r, f in failed.failures.items() if f.exitcode < 0 and -f.exitcode != asked}
+    decided = {r: f for r, f in failed.failures.items() if f.exitcode in DELIBERATE}
+    if killed:
+        rank, first = min(killed.items())
+    elif decided:  # the decision, not a peer's failure after it
+        rank, first = min(decided.items())
     if first.exitcode > 0:
         return first.exitcode  # the worker's own status; it printed its own line
+    if -first.exitcode == asked:  # ended by the signal passed on, before it could say so
+        print(AT_ONCE_LINE if asked == signal.SIGINT else
+              f"stopped by {group.stopping.name} before the workers could act on it: nothing "
+              "was saved; start the same run again", file=sys.stderr, flush=True)
+        return INTERRUPTED if asked == signal.SIGINT else STOPPED
     name = first.signal_name()
     print(f"error: rank {rank} (pid {first.pid}) was killed by {name}"
           + ("; out of memory? (the kernel's OOM killer sends SIGKILL)"
@@ -194,8 +228,21 @@ def _quiet_torchrun() -> None:
 
 
 def _stopped_while_importing(number: int, frame: object) -> None:
-    os.write(2, f"{AT_ONCE_LINE}\n".encode())
-    os._exit(INTERRUPTED)
+    if number == signal.SIGINT:
+        os.write(2, f"{AT_ONCE_LINE}\n".encode())
+        os._exit(INTERRUPTED)
+    os.write(2, f"stopped by {signal.Signals(number).name} before any worker started; start "
+                "the same run again\n".encode())
+    os._exit(STOPPED)
+
+
+def _save_signal(argv: Sequence[str]) -> Optional[str]:
+    """The signal a `save.signal=NAME` override among the trainer's arguments names."""
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "save.signal" and value.startswith("SIG") and hasattr(signal, value):
+            return value
+    return None
 
 
 def _bad_nproc(value: str) -> Optional[str]:
@@ -214,12 +261,16 @@ def _without(signals: str, handled: Sequence[str]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    group = Group()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = _save_signal(argv)
+    group = Group(FORWARDED + ((extra,) if extra and extra not in FORWARDED else ()))
     # torch's imports take seconds, and a KeyboardInterrupt raised inside them can come out as
     # an ImportError trace, or be swallowed by an optional import's `except ImportError` (the
-    # run then started anyway): a Ctrl-C there ends the launcher at once, nothing started yet.
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job keeps ignoring
-        signal.signal(signal.SIGINT, _stopped_while_importing)
+    # run then started anyway): a stop signal there ends the launcher at once, nothing started
+    # yet. A background job keeps ignoring what it was started ignoring.
+    for name in group.forwarded:
+        if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN:
+            signal.signal(getattr(signal, name), _stopped_while_importing)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -227,14 +278,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     group.install()  # a Ctrl-C during the rendezvous stops at once
     _quiet_torchrun()
-    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = torchrun.parse_args(argv)
     bad = _bad_nproc(str(args.nproc_per_node))
     if bad:
         print(f"error: --nproc-per-node: {bad}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(USAGE_ERROR)
-    if hasattr(args, "signals_to_handle"):  # ours are SIGINT and SIGTERM
-        args.signals_to_handle = _without(args.signals_to_handle, ("SIGINT", "SIGTERM"))
+    if hasattr(args, "signals_to_handle"):  # ours are those we forward
+        args.signals_to_handle = _without(args.signals_to_handle, group.forwarded)
     launcher_api.LocalElasticAgent = agent_class(group)  # launch_agent builds the agent by name
     try:
         torchrun.run(args)
@@ -244,6 +295,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except KeyboardInterrupt:
         print(AT_ONCE_LINE, file=sys.stderr, flush=True)
         status = INTERRUPTED
+    except StoppedBeforeStart as exc:
+        print(f"stopped by {exc.sig.name} before any worker started; start the same run again",
+              file=sys.stderr, flush=True)
+        status = STOPPED
     except SignalException as exc:  # SIGHUP, SIGQUIT, or one added with --signals-to-handle
         print(f"error: stopped by {exc.sigval.name}; the workers were stopped",
               file=sys.stderr, flush=True)

@@ -326,21 +326,22 @@ def test_an_attention_the_hf_model_lacks_names_model_attn_implementation(tmp_pat
         "set model.attn_implementation=eager (or another the model supports)")
 
 
-# 4.0 s: on a quiet machine (clean-clone suite, 2026-12-03) that Ctrl-C once ended the trainer
-# by SIGINT's default action (status -2, no line): a window where nothing handles it, not yet
-# found. Kept visible as a known failure, not dropped.
-@pytest.mark.parametrize("after_s", [0.3, 1.5, pytest.param(4.0, marks=pytest.mark.xfail(
-    reason="a start-up window where SIGINT is unhandled (status -2), 2026-12-03", strict=False))])
+@pytest.mark.parametrize("after_s", [0.3, 1.5, 4.0])
 def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
-    """Imports (0.3 s), the pre-flight check and config (1.5 s), building the model (4 s):
-    exit 130 with one line, never a KeyboardInterrupt trace."""
+    """Imports (0.3 s), the pre-flight check and config (1.5 s), building the model (4 s here;
+    on a quick machine the run trains by then, and its own Ctrl-C line says it saves): exit 130
+    with one line, never a KeyboardInterrupt trace nor SIGINT's default action (status -2: the
+    4 s Ctrl-C once landed in the interpreter's teardown of a run that had just ended, where
+    every handler is the default again; the entry point now exits without it: see
+    tests/test_start_signals.py)."""
     import signal
     import subprocess
     import time
 
     from tests.helpers import REPO, subprocess_env, trainer_command
 
-    child = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=50",
+    child = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=100000",
+                                              "save.every=0",
                                               f"hydra.run.dir={tmp_path / 'run'}"]),
                              cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -348,7 +349,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=120)
     assert child.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("interrupted")
+    assert err.strip().splitlines()[-1].startswith(("interrupted", "Ctrl-C: finishing")), err
 
 
 @pytest.mark.parametrize("after_s", [0.5, 1.2, 3.0])

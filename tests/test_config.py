@@ -92,7 +92,7 @@ def test_config_keys_are_frozen() -> None:
         "data.path", "data.split", "data.tokenizer", "data.text_field", "data.messages_field",
         "data.prompt_field", "data.completion_field", "data.format", "data.train_on",
         "data.packing", "data.overlong", "data.val_fraction", "data.cache_dir", "data.streaming",
-        "data.on_change", "data.skip_bad_records",
+        "data.on_change", "data.skip_bad_records", "data.num_proc",
         "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay",
         "optim.beta1", "optim.beta2", "optim.eps", "optim.grad_clip",
         "train.steps", "train.seed", "train.micro_batch_size", "train.grad_accum",

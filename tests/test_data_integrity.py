@@ -69,6 +69,22 @@ def test_a_cache_file_changed_in_range_or_truncated_is_caught_and_rebuilt(tmp_pa
         f"{folder}: holds token id {int(good.max())}, not below the model's vocabulary of 100")
 
 
+def test_meta_json_counts_that_are_not_the_files_are_caught_and_rebuilt(tmp_path, tok) -> None:
+    """False window counts with intact checksums were trusted, and went into the checkpoint's
+    data identity."""
+    path = write_jsonl(tmp_path / "c.jsonl", chat_records(60))
+    train, _ = windows(path, tok, "chat", tmp_path / "c")
+    folder, good = os.path.dirname(train.folder), train.num_windows
+    meta = meta_of_folder(folder)
+    meta["train"]["windows"] += 5
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    assert problem(folder, meta, 10_000) == (
+        f"{folder}/meta.json: says {good + 5} train windows, its files hold {good}")
+    again, _ = windows(path, tok, "chat", tmp_path / "c")  # prepared again, not trusted
+    assert again.num_windows == good and meta_of_folder(folder)["train"]["windows"] == good
+
+
 def meta_of_folder(folder: str) -> dict:
     with open(os.path.join(folder, "meta.json")) as f:
         return json.load(f)

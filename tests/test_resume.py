@@ -180,6 +180,9 @@ def test_the_resume_line_says_the_data_order_once(tmp_path) -> None:
     assert "saved by 2 ranks, resumed on 1: model and optimizer are exact, dropout masks" in line
     assert "global batch 8 x 64 tokens became 4 x 64: the data order from here differs" in line
     assert "unchanged" not in line
+    # Issue 47 fault 8: each data-parallel group scored its own validation batches.
+    assert ("validation is 8 samples now, 16 before (train.eval_batches x micro-batch x "
+            "data-parallel groups): val_loss from here is not comparable") in line
 
 
 def test_nan_step_is_skipped_and_a_spike_rolls_back(tmp_path) -> None:

@@ -46,6 +46,12 @@ def test_the_loss_does_not_depend_on_ranks_or_micro_batches(tmp_path, data) -> N
     logged = [m for m in read_metrics(tmp_path / "one") if "loss" in m]
     counts = {m["supervised_tokens"] for m in logged}
     assert len(counts) > 1 and all(0 < m["packing_efficiency"] < 1 for m in logged)
+    # packing_efficiency: real tokens over capacity; supervised_fraction: learned of the real.
+    window_tokens = 4 * 64  # micro-batch 4 x data.seq_len of base()
+    for m in logged:
+        real = m["tokens_per_s"] * m["step_time_s"]
+        assert m["packing_efficiency"] == pytest.approx(real / window_tokens, rel=1e-6)
+        assert m["supervised_fraction"] == pytest.approx(m["supervised_tokens"] / real, rel=1e-6)
 
 
 def test_chat_stop_and_resume_is_bitwise(tmp_path, data) -> None:

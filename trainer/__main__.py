@@ -25,9 +25,24 @@ def _interrupted_at_once(signum, frame) -> None:
     os._exit(130)
 
 
-# A process started with Ctrl-C ignored (a shell's background job, nohup) keeps ignoring it.
+def _stopped_at_once(signum, frame) -> None:
+    """SIGTERM, or a `save.signal` (SIGUSR1 by default: Slurm's warning before the time limit),
+    outside the training loop: before training there is nothing to save, so stop with the
+    preemption status (start the same run again) and one line (rank 0), not the signal's
+    default action (no word, status 143 or 138)."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"stopped by {signal.Signals(signum).name} before training started: "
+                    "nothing to save; start the same run again\n".encode())
+    os._exit(75)  # trainer/data/interrupt.py's STOPPED_EXIT, save.preempt_exit_code's default
+
+
+# From the first line, before the imports a signal would otherwise interrupt. A process started
+# with Ctrl-C ignored (a shell's background job, nohup) keeps ignoring it.
 if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
     signal.signal(signal.SIGINT, _interrupted_at_once)
+for _name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"):  # SIGTERM and save.signal's choices
+    if signal.getsignal(getattr(signal, _name)) is not signal.SIG_IGN:
+        signal.signal(getattr(signal, _name), _stopped_at_once)
 
 import hydra  # noqa: E402  (after the handler: these imports are what a Ctrl-C interrupts)
 from omegaconf import DictConfig
@@ -183,4 +198,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as exc:  # the statuses of _job and the checks
+        code = exc.code
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+        _exit_now(code if isinstance(code, int) else 0 if code is None else 1)
+    # Not into the interpreter's teardown: it puts every signal back to its default action
+    # first, so a Ctrl-C in the second or more it takes ended the run by SIGINT (status -2,
+    # no line) after it had finished.
+    _exit_now(0)

@@ -150,6 +150,10 @@ class DataConfig:
     # one the chat template fails on stops the run naming it (file and line or index); true
     # skips it instead, counted in the log and in the cache's meta.json (bad_records).
     skip_bad_records: bool = False
+    # data=text / chat: processes tokenizing on the node that prepares the cache (datasets'
+    # map(num_proc)); null: the cores this process may use split across the node's ranks.
+    # The cache is the same whatever the number.
+    num_proc: Optional[int] = None
 
 
 @dataclass

@@ -63,6 +63,12 @@ class PreemptionSignal:
         for name in names:
             number = getattr(signal, name)
             self._previous[number] = signal.signal(number, self._handle)
+        # The other stop signals the entry point caught during start-up (trainer/__main__.py)
+        # keep their default action while training: they are not this run's save.signal.
+        for name in ("SIGUSR1", "SIGUSR2", "SIGHUP"):
+            number = getattr(signal, name)
+            if name not in names and signal.getsignal(number) not in (signal.SIG_IGN, None):
+                self._previous[number] = signal.signal(number, signal.SIG_DFL)
         self._stop_watch = threading.Event()
         if watch_launcher:
             parent = os.getppid()
@@ -94,7 +100,8 @@ class PreemptionSignal:
     def restore(self) -> None:
         self._stop_watch.set()
         for number, handler in self._previous.items():
-            signal.signal(number, handler)
+            if handler is not None:  # None: set outside Python, which Python cannot put back
+                signal.signal(number, handler)
         self._previous.clear()
 
 

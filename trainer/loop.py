@@ -220,7 +220,8 @@ class Trainer:
                                              self.device, dataclasses.asdict(cfg.model))
             self.watchdog = TimeoutWatchdog(denv.rank, t.dist_timeout_s)
             self.data = open_data(cfg.data, model_facts(cfg.model), Sampling(
-                denv.rank, layout, t.seed, t.eval_batches, preparer=denv.local_rank == 0),
+                denv.rank, layout, t.seed, t.eval_batches, preparer=denv.local_rank == 0,
+                local_size=denv.local_world_size),
                 family_of(cfg.model).image_preprocessing(cfg.model), self.device, self.watchdog)
             self.closing.callback(self.data.close)
             # Under torchrun, a worker whose agent was killed (kill -9 leaves no one to stop

@@ -36,6 +36,7 @@ class Sampling:
     seed: int  # of the one global order of samples
     eval_batches: int  # validation micro-batches per rank
     preparer: bool = True  # this process prepares what is not cached yet (one per node)
+    local_size: int = 1  # ranks on this node (data.num_proc's default splits its cores)
 
     @property
     def world_size(self) -> int:

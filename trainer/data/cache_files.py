@@ -66,10 +66,33 @@ def problem(folder: str, meta: dict, vocab_size: int) -> Optional[str]:
         path = os.path.join(folder, name)
         if digest(path) != want["blake2b"]:
             return f"{path}: its checksum differs from the one written with it (the file changed)"
+    wrong = _counts_problem(folder, meta)
+    if wrong is not None:
+        return wrong
     top = max((meta[s].get("max_id", -1) for s in ("train", "val") if s in meta), default=-1)
     if top >= vocab_size:
         return (f"{folder}: holds token id {top}, not below the model's vocabulary of "
                 f"{vocab_size}")
+    return None
+
+
+def _counts_problem(folder: str, meta: dict) -> Optional[str]:
+    """meta.json's window and token counts against the files (a checkpoint records them as the
+    data's identity, so they must be the files', not only written beside them)."""
+    import numpy as np
+
+    for split in ("train", "val"):
+        said = meta.get(split)
+        path = os.path.join(folder, split, "counts.npy")
+        if said is None or not os.path.isfile(path):
+            continue
+        counts = np.load(path, mmap_mode="r")
+        found = {"windows": int(counts.shape[0]), "supervised": int(counts[:, 0].sum()),
+                 "real_tokens": int(counts[:, 1].sum())}
+        for key, value in found.items():
+            if key in said and said[key] != value:
+                return (f"{os.path.join(folder, 'meta.json')}: says {said[key]} {split} "
+                        f"{key.replace('_', ' ')}, its files hold {value}")
     return None
 
 

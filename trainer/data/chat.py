@@ -75,11 +75,12 @@ def _trim_after_end(ids: list[int], start: int, end: int, end_ids: set[int]) -> 
 
 
 def _offset_spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int],
-                  where: str) -> list[Optional[tuple[int, int]]]:
+                  where: str, prompts: Optional[dict] = None) -> list[Optional[tuple[int, int]]]:
     """Each assistant turn's [start, end) tokens from where its content is in the rendered
-    text; None for a turn not found (refused when `needed`, unless it is empty)."""
+    text; None for a turn not found (refused when `needed`, unless it is empty). `prompts`:
+    see chat_check.turns_located."""
     contents = [m["content"] for m in messages if m["role"] == "assistant"]
-    places = turns_located(tokenizer, messages, shown.text)
+    places = turns_located(tokenizer, messages, shown.text, prompts)
     spans: list[Optional[tuple[int, int]]] = []
     for k, place in enumerate(places):
         if place is None:
@@ -116,7 +117,14 @@ def _spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int
             "its turns (a prefix of the conversation is not a token prefix of the whole), and "
             "it is no fast tokenizer, whose offsets would find the assistant's tokens; use a "
             "template with {% generation %} markers, or data.train_on=all")
-    spans = _offset_spans(tokenizer, messages, shown, needed, where)
+    return offset_spans(tokenizer, messages, shown, needed, where)
+
+
+def offset_spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int],
+                 where: str, prompts: Optional[dict] = None) -> list[Optional[tuple[int, int]]]:
+    """The spans of way 3, checked; ChatError naming `where` when they fail."""
+    contents = [m["content"] for m in messages if m["role"] == "assistant"]
+    spans = _offset_spans(tokenizer, messages, shown, needed, where, prompts)
     checked = [k for k in sorted(needed) if spans[k] is not None]
     problem = turn_problem(tokenizer, shown, [spans[k] for k in checked],
                            [contents[k] for k in checked])
@@ -126,6 +134,23 @@ def _spans(tokenizer, messages: Sequence[dict], shown: Rendered, needed: set[int
     return spans
 
 
+def needed_turns(messages: Sequence[dict], train_on: str) -> set[int]:
+    """The assistant turns (counted among assistant turns) whose tokens are learned."""
+    turns = sum(1 for m in messages if m["role"] == "assistant")
+    # train_on=last learns only the final turn, so only it need be found and checked.
+    return set(range(turns)) if train_on == "assistant" else {turns - 1} - {-1}
+
+
+def supervised_mask(length: int, spans: Sequence[Optional[tuple[int, int]]],
+                    needed: set[int]) -> list[bool]:
+    supervised = [False] * length
+    for k in needed:
+        if spans[k] is not None:
+            start, end = spans[k]
+            supervised[start:end] = [True] * (end - start)
+    return supervised
+
+
 def chat_tokens(tokenizer, messages: Sequence[dict], train_on: str,
                 where: str = "a conversation") -> tuple[list[int], list[bool]]:
     """(token ids, supervised per token) of one conversation; `where` names it in errors."""
@@ -133,16 +158,10 @@ def chat_tokens(tokenizer, messages: Sequence[dict], train_on: str,
         ids = _ids(tokenizer, messages, generation_prompt=False)
         return ids, [True] * len(ids)
     shown = render(tokenizer, messages)
+    needed = needed_turns(messages, train_on)
     turns = sum(1 for m in messages if m["role"] == "assistant")
-    # train_on=last learns only the final turn, so only it need be found and checked.
-    needed = set(range(turns)) if train_on == "assistant" else {turns - 1} - {-1}
     spans = _spans(tokenizer, messages, shown, needed, where) if turns else []
-    supervised = [False] * len(shown.ids)
-    for k in needed:
-        if spans[k] is not None:
-            start, end = spans[k]
-            supervised[start:end] = [True] * (end - start)
-    return list(shown.ids), supervised
+    return list(shown.ids), supervised_mask(len(shown.ids), spans, needed)
 
 
 def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:

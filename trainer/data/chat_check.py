@@ -106,12 +106,28 @@ def turn_problem(tokenizer, shown: Rendered, spans: Sequence[tuple[int, int]],
         later = [s for s, _ in spans[k + 1:]]
         bound = shown.offsets[later[0]][0] if later else len(shown.text)
         _, marker_end = turn_end(shown, start, place[1], bound)
+        if _spelled_out(shown, start, end, first_begin, marker_end, tokenizer.unk_token_id):
+            continue  # the offsets prove what decoding would show: skip the decode
         expected = shown.text[first_begin:marker_end]
         decoded = tokenizer.decode(shown.ids[start:end], skip_special_tokens=False,
                                    clean_up_tokenization_spaces=False)
         if not _same_text(tokenizer, decoded, expected):
             return f"assistant turn {k + 1} decodes to {decoded[:80]!r}, not {expected[:80]!r}"
     return None
+
+
+def _spelled_out(shown: Rendered, start: int, end: int, begin: int, stop: int,
+                 unk: Optional[int]) -> bool:
+    """Whether tokens [start, end) are characters [begin, stop) of the text one after another
+    (each token's characters begin where the last's end; none is unknown): then they decode to
+    that text, and the check needs no decode. Tokens that share characters (byte pieces of one
+    character, byte fallback) or skip some (a trimmed offset) are left to the decode."""
+    offsets = shown.offsets
+    if offsets[start][0] != begin or offsets[end - 1][1] != stop:
+        return False
+    if unk is not None and unk in shown.ids[start:end]:
+        return False
+    return all(offsets[j][0] == offsets[j - 1][1] for j in range(start + 1, end))
 
 
 def _same_text(tokenizer, decoded: str, rendered: str) -> bool:
@@ -125,12 +141,14 @@ def _same_text(tokenizer, decoded: str, rendered: str) -> bool:
                                        == normalizer.normalize_str(rendered))
 
 
-def turns_located(tokenizer, messages: Sequence[dict], text: str) -> list:
+def turns_located(tokenizer, messages: Sequence[dict], text: str,
+                  prompts: Optional[dict] = None) -> list:
     """[begin, end) characters of each assistant message's content in `text`, in order (None
     where it is not there). Each search starts after the conversation up to the turn rendered
     with the generation prompt, when that is a prefix of the text, so a content that also
     appears earlier (quoted by the user) is not taken for the turn; else after the contents
-    found before it."""
+    found before it. `prompts`: those renders already made (message index -> text, or None
+    where the template refused), as a batch renders them (trainer/data/chat_batch.py)."""
     places, pos = [], 0
     for k, message in enumerate(messages):
         content = message["content"]
@@ -138,7 +156,8 @@ def turns_located(tokenizer, messages: Sequence[dict], text: str) -> list:
             place = find_content(text, content, pos) if content.strip() else None
             pos = place[1] if place else pos
             continue
-        head = _prompt_end(tokenizer, messages[:k], text)
+        head = (_prompt_end(tokenizer, messages[:k], text) if prompts is None
+                else _ends_at(prompts.get(k), text))
         start = head if head is not None else pos
         if content.strip():
             place = find_content(text, content, start)
@@ -156,4 +175,8 @@ def _prompt_end(tokenizer, head: Sequence[dict], text: str) -> Optional[int]:
                                                add_generation_prompt=True)
     except Exception:  # a template may refuse a partial conversation: then search on from pos
         return None
-    return len(prompt) if text.startswith(prompt) else None
+    return _ends_at(prompt, text)
+
+
+def _ends_at(prompt: Optional[str], text: str) -> Optional[int]:
+    return len(prompt) if prompt is not None and text.startswith(prompt) else None

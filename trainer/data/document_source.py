@@ -7,6 +7,7 @@ the step divides by the count over the whole global batch (`sums_loss`)."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Optional
 
 from trainer.config import ConfigError, DataConfig, check_writable, require
@@ -17,6 +18,11 @@ if TYPE_CHECKING:
 
     from trainer.data.batches import Data, Sampling
     from trainer.faults import TimeoutWatchdog
+
+
+def default_num_proc(local_ranks: int) -> int:
+    """data.num_proc=null: the cores this process may run on, split across the node's ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
 
 
 class DocumentSource(Source):
@@ -36,6 +42,9 @@ class DocumentSource(Source):
                 f"must be in (0, 1) when data.val_path is not set, got {d.val_fraction}")
         if d.cache_dir is not None:
             check_writable(d.cache_dir, "data.cache_dir")
+        require(d.num_proc is None or (type(d.num_proc) is int and d.num_proc >= 1),
+                "data.num_proc", f"must be a number of processes of at least 1 (or null: the "
+                f"cores of this node split across its ranks), got {d.num_proc!r}")
 
     def check_deep(self, d: DataConfig, model: ModelFacts) -> None:
         """The files are there and have the field, the tokenizer loads (with a chat template
@@ -72,7 +81,8 @@ class DocumentSource(Source):
 
         return text_datasets(d.path, d.val_path, d.tokenizer or model.path,
                              document_settings(d), d.cache_dir, model.vocab_size,
-                             sampling.preparer, self._stream_share(sampling), model.vocab_key)
+                             sampling.preparer, self._stream_share(sampling), model.vocab_key,
+                             num_proc=d.num_proc or default_num_proc(sampling.local_size))
 
     def _stream_share(self, sampling: Sampling) -> Optional[tuple[int, int, int, int]]:
         return None

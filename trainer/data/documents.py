@@ -74,12 +74,13 @@ def default_cache_dir() -> str:
 def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[str],
                   settings: DocSettings, cache_dir: Optional[str], vocab_size: int,
                   preparer: bool, stream: Optional[tuple[int, int, int, int]] = None,
-                  vocab_key: str = "model.vocab_size"):
+                  vocab_key: str = "model.vocab_size", num_proc: int = 1):
     """(train, validation) windows, prepared here (or by this node's preparer) when not
     cached yet, or when the cached files fail their check (trainer/data/cache_files.py).
     stream: (rank, world, micro-batch, accumulation) of a streamed training corpus
     (trainer/data/stream.py); its validation documents (`val_path`) are prepared as above.
-    The training windows carry `identity`: what a checkpoint records of the data."""
+    The training windows carry `identity`: what a checkpoint records of the data. `num_proc`:
+    the processes that tokenize (the cache is the same whatever their number)."""
     tokenizer = load_tokenizer(tokenizer_name, settings.kind)
     if len(tokenizer) > vocab_size:
         raise DataError(f"{vocab_key}: the tokenizer {tokenizer_name} has {len(tokenizer)} "
@@ -89,12 +90,16 @@ def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[s
 
         # Validation is the whole of data.val_path, prepared (and cached) as usual.
         _, val = text_datasets(val_path, val_path, tokenizer_name, settings, cache_dir,
-                               vocab_size, preparer, vocab_key=vocab_key)
+                               vocab_size, preparer, vocab_key=vocab_key, num_proc=num_proc)
         return StreamWindows(path, tokenizer, settings, *stream), val
     root = cache_dir or default_cache_dir()
     key = cache_key(path, val_path, tokenizer, settings)
     folder = os.path.join(root, key)
-    meta = _trusted(folder, path, val_path, tokenizer, settings, preparer, vocab_size)
+    fresh = not os.path.exists(os.path.join(folder, "meta.json"))
+    meta = _trusted(folder, path, val_path, tokenizer, settings, preparer, vocab_size, num_proc)
+    if preparer and not fresh:  # a fresh one said it in its summary line
+        log.info("data: %s training windows cached in %s; %s", f"{meta['train']['windows']:,}",
+                 folder, fill_line(meta["train"], settings.seq_len))
     train = PackedWindows(os.path.join(folder, "train"))
     files = {"data.path": source_fingerprint(path),
              "data.val_path": source_fingerprint(val_path) if val_path else None}
@@ -104,7 +109,7 @@ def text_datasets(path: str, val_path: Optional[str], tokenizer_name: Optional[s
 
 
 def _trusted(folder: str, path: str, val_path: Optional[str], tokenizer, settings: DocSettings,
-             preparer: bool, vocab_size: int) -> dict:
+             preparer: bool, vocab_size: int, num_proc: int) -> dict:
     """The cached folder's meta once its files pass their check: prepared when missing, and
     prepared again (by the preparer; the others wait for it) when a file fails."""
     damaged = None  # what was wrong with the folder found, once it was discarded
@@ -112,7 +117,7 @@ def _trusted(folder: str, path: str, val_path: Optional[str], tokenizer, setting
         if not os.path.exists(os.path.join(folder, "meta.json")):
             if preparer:
                 try:
-                    _prepare_locked(folder, path, val_path, tokenizer, settings)
+                    _prepare_locked(folder, path, val_path, tokenizer, settings, num_proc)
                 except DataError as exc:  # e.g. a dataset name, the hub out of reach
                     if damaged is None:
                         raise
@@ -177,7 +182,7 @@ def _wait_for_change(folder: str, mtime_ns: int, poll_s: float = 0.5) -> None:
 
 
 def _prepare_locked(folder: str, path: str, val_path: Optional[str], tokenizer,
-                    settings: DocSettings) -> None:
+                    settings: DocSettings, num_proc: int) -> None:
     cache_dir = os.path.dirname(folder)
     os.makedirs(cache_dir, exist_ok=True)
     for gone in remove_dead_temps(cache_dir):
@@ -190,7 +195,9 @@ def _prepare_locked(folder: str, path: str, val_path: Optional[str], tokenizer,
         shutil.rmtree(work, ignore_errors=True)
         try:
             with stop_signals(path):
-                meta = prepare(work, path, val_path, tokenizer, settings)
+                log.info("data: tokenizing %s in %d process%s into %s", path, num_proc,
+                         "es" if num_proc > 1 else "", folder)
+                meta = prepare(work, path, val_path, tokenizer, settings, num_proc)
                 meta["files"] = describe(work)
                 write_json(os.path.join(work, "meta.json"), meta)
                 shutil.rmtree(folder, ignore_errors=True)
@@ -216,8 +223,17 @@ def summary_line(meta: dict, folder: str) -> str:
     return (f"{meta['documents']:,} documents tokenized in {meta['tokenize_s']:.1f} s "
             f"({meta['documents'] / max(meta['tokenize_s'], 1e-9):,.0f} docs/s, "
             f"{meta['tokens'] / max(meta['tokenize_s'], 1e-9):,.0f} tokens/s); train: "
-            f"{t['windows']:,} windows, {t['supervised']:,} supervised tokens, packing "
-            f"efficiency {t['efficiency']:.1%}; {skipped_line(meta)}; cached in {folder}")
+            f"{t['windows']:,} windows, {t['supervised']:,} supervised tokens, "
+            f"{fill_line(t, meta['settings']['seq_len'])}; {skipped_line(meta)}; cached in "
+            f"{folder}")
+
+
+def fill_line(split: dict, seq_len: int) -> str:
+    """How full a split's windows are, and how much of what fills them is learned."""
+    real = split["real_tokens"]
+    return (f"packing efficiency {real / max(1, split['windows'] * seq_len):.1%} (real tokens "
+            f"over window tokens), supervised fraction {split['supervised'] / max(1, real):.1%}"
+            " (of the real tokens)")
 
 
 def skipped_line(meta: dict) -> str:

@@ -1,10 +1,11 @@
 """Stopping while the data is being tokenized: a line and a status, nothing half-written.
 
-Before the model's training loop exists, SIGTERM would end the process with the kernel's 143 and
-no word, and Ctrl-C at once (trainer/__main__.py). While a cache folder is written `stop_signals`
-turns SIGTERM into `PrepareStopped` (status 75, as a preemption: start it again) and Ctrl-C into
-the same with status 130; the writer's `finally` removes its temporary folder on the way out, so
-the cache holds only whole folders.
+While a cache folder is written `stop_signals` turns SIGTERM and the other stop signals (SIGUSR1,
+the default `save.signal`, which Slurm sends before the time limit; SIGUSR2, SIGHUP) into
+`PrepareStopped` (status 75, as a preemption: start it again) and Ctrl-C into the same with
+status 130; the writer's `finally` removes its temporary folder on the way out, so the cache
+holds only whole folders. Before and after that block the entry point's own handlers stop the
+process at once with a line (trainer/__main__.py): nothing is being written then.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from typing import Iterator
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped, run it again (the preemption status)
 INTERRUPTED_EXIT = 130  # Ctrl-C
+
+
+# The signals that stop the preparation: SIGTERM, Ctrl-C, and the choices of save.signal.
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
 class PrepareStopped(Exception):
@@ -37,23 +42,27 @@ class _Stopped(BaseException):
 
 @contextlib.contextmanager
 def stop_signals(path: str) -> Iterator[None]:
-    """SIGTERM and Ctrl-C inside the block end it with PrepareStopped naming `path`."""
+    """SIGTERM, Ctrl-C and the other STOPS inside the block end it with PrepareStopped naming
+    `path`."""
     main = threading.current_thread() is threading.main_thread()
 
     def stopped(signum, frame) -> None:
         raise _Stopped(signum)
 
-    numbers = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT)
-                                  is not signal.SIG_IGN else [])
+    numbers = [n for n in STOPS if signal.getsignal(n) is not signal.SIG_IGN]
     previous = {n: signal.signal(n, stopped) for n in numbers} if main else {}
     tail = (f"while tokenizing {path}: nothing was cached (the partial folder is removed); "
             "start the same run again to tokenize it")
     try:
         yield
     except (_Stopped, KeyboardInterrupt) as exc:
-        if getattr(exc, "number", signal.SIGINT) == signal.SIGTERM:
-            raise PrepareStopped(f"stopped by SIGTERM {tail}", STOPPED_EXIT) from None
+        number = getattr(exc, "number", signal.SIGINT)
+        if number != signal.SIGINT:
+            raise PrepareStopped(f"stopped by {signal.Signals(number).name} {tail}",
+                                 STOPPED_EXIT) from None
         raise PrepareStopped(f"interrupted {tail}", INTERRUPTED_EXIT) from None
     finally:
-        for number, handler in previous.items():  # None: set outside Python, the default
+        for number, handler in previous.items():
+            # None: a handler set outside Python, which Python cannot put back; ours (the
+            # entry point's) is what was there when this process is the trainer.
             signal.signal(number, signal.SIG_DFL if handler is None else handler)

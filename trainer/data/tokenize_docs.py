@@ -3,6 +3,7 @@ trainer/data/documents.py's cache)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -12,7 +13,8 @@ from typing import Optional
 
 import numpy as np
 
-from trainer.data.chat import ChatError, chat_tokens
+from trainer.data.chat import ChatError
+from trainer.data.chat_batch import chat_batch
 from trainer.data.formats import FormatError, conversation, record_name
 from trainer.data.packing import (best_fit_bins, bin_window, concat_count, concat_windows,
                                   fit_length, write_windows)
@@ -21,6 +23,7 @@ from trainer.data.sources import (DataError, DocSettings, check_fields, data_fil
                                   is_saved_dataset, open_documents)
 
 log = logging.getLogger("trainer")
+BATCH = 256  # records per tokenizer call: amortises the call, bounds a worker's memory
 SPLIT_SEED = 0  # which documents are held out for validation: fixed, so train.seed can change
 
 
@@ -44,67 +47,104 @@ class _Progress:
         self.bar.close()
 
 
-def _text_batch(tokenizer, settings: DocSettings, eos: int):
-    def encode(batch: dict) -> dict:
+def _text_batch(tokenizer, settings: DocSettings, eos: int, path: str):
+    def encode(batch: dict, indices: list[int]) -> dict:
         texts = batch[settings.text_field]
-        bad = next((t for t in texts if not isinstance(t, str)), None)
-        if bad is not None:
-            raise DataError(f"data.text_field: {settings.text_field!r} holds a "
-                            f"{type(bad).__name__}, not text")
-        ids = [list(x) + [eos] for x in tokenizer(texts)["input_ids"]]
-        return {"ids": ids, "sup": [[True] * len(x) for x in ids]}
+        ids, sup, bad = [[] for _ in texts], [[] for _ in texts], [[] for _ in texts]
+        good = []
+        for n, (index, text) in enumerate(zip(indices, texts)):
+            if isinstance(text, str):
+                good.append(n)
+                continue
+            where = record_name(path, index, {"id": batch["id"][n]} if "id" in batch else {})
+            why = (f"data.text_field: {settings.text_field!r} of {where} is "
+                   f"{'null' if text is None else f'{type(text).__name__} {text!r}'}, not text")
+            if not settings.skip_bad_records:
+                raise DataError(f"{why}; fix the record, or set data.skip_bad_records=true to "
+                                "skip such records (counted)")
+            bad[n] = [where, f"{settings.text_field!r} is not text"]
+        encoded = tokenizer([texts[n] for n in good])["input_ids"] if good else []
+        for n, row in zip(good, encoded):
+            ids[n] = list(row) + [eos]
+            sup[n] = [True] * len(ids[n])
+        return {"ids": ids, "sup": sup, "bad": bad}
     return encode
 
 
-def _chat_batch(tokenizer, settings: DocSettings, path: str, bad: BadRecords):
+def _chat_batch(tokenizer, settings: DocSettings, path: str):
     def encode(batch: dict, indices: list[int]) -> dict:
         records = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        ids, sup = [], []
-        for index, record in zip(indices, records):
-            where = record_name(path, index, record)
+        wheres = [record_name(path, index, record) for index, record in zip(indices, records)]
+        results: list = [None] * len(records)
+        shaped = []  # (position, messages) of the records in a known shape
+        for n, (record, where) in enumerate(zip(records, wheres)):
             try:
-                messages = conversation(record, settings.format, settings.messages_field,
-                                        settings.prompt_field, settings.completion_field, where)
-                tokens, supervised = chat_tokens(tokenizer, messages, settings.train_on, where)
-            except (ChatError, FormatError) as exc:
-                if not settings.skip_bad_records:
-                    raise DataError(str(exc)) from None
-                bad.add(where, str(exc))
-                tokens, supervised = [], []
-            except Exception as exc:  # the template itself raised (jinja2, raise_exception)
-                why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-                if not settings.skip_bad_records:
-                    raise DataError(f"data.tokenizer: its chat template fails on {where} "
-                                    f"({why}); fix the record, or set "
-                                    "data.skip_bad_records=true to skip such records "
-                                    "(counted)") from None
-                bad.add(where, why)
-                tokens, supervised = [], []
-            ids.append(tokens)
-            sup.append(supervised)
-        return {"ids": ids, "sup": sup}
+                shaped.append((n, conversation(record, settings.format, settings.messages_field,
+                                               settings.prompt_field, settings.completion_field,
+                                               where)))
+            except FormatError as exc:
+                results[n] = exc
+        done = chat_batch(tokenizer, [m for _, m in shaped], settings.train_on,
+                          [wheres[n] for n, _ in shaped])
+        for (n, _), result in zip(shaped, done):
+            results[n] = result
+        ids, sup, bad = [], [], []
+        for where, result in zip(wheres, results):
+            problem = None if isinstance(result, tuple) else _problem(result, where, settings)
+            ids.append([] if problem else result[0])
+            sup.append([] if problem else result[1])
+            bad.append([where, problem] if problem else [])
+        return {"ids": ids, "sup": sup, "bad": bad}
     return encode
 
 
-def tokenize(records, tokenizer, settings: DocSettings, progress: _Progress, path: str,
-             bad: Optional[BadRecords] = None):
-    """The records as documents: `ids`, `sup` (supervised per token) and `length` columns;
-    `path` names a bad record's source; skipped bad records (data.skip_bad_records) are
-    counted in `bad` and come out empty."""
+def _problem(exc: Exception, where: str, settings: DocSettings) -> str:
+    """Why a record is left out (data.skip_bad_records), else the DataError naming it."""
+    if isinstance(exc, (ChatError, FormatError)):
+        if not settings.skip_bad_records:
+            raise DataError(str(exc)) from None
+        return str(exc)
+    why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    if not settings.skip_bad_records:  # the template itself raised (jinja2, raise_exception)
+        raise DataError(f"data.tokenizer: its chat template fails on {where} ({why}); fix the "
+                        "record, or set data.skip_bad_records=true to skip such records "
+                        "(counted)") from None
+    return why
+
+
+def tokenize(records, tokenizer, settings: DocSettings, progress: Optional[_Progress],
+             path: str, num_proc: int = 1):
+    """The records as documents: `ids`, `sup` (supervised per token), `length` and `bad`
+    ([where, why] of a bad record skipped with data.skip_bad_records, which comes out empty)
+    columns; `path` names a bad record's source. With `num_proc` > 1, `datasets` runs the
+    batches in that many processes (its own progress bar then) and joins their outputs in
+    the records' order, so the result is the same whatever `num_proc`."""
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    text = _text_batch(tokenizer, settings, eos) if settings.kind == "text" else None
-    chat = (_chat_batch(tokenizer, settings, path, bad if bad is not None else BadRecords())
-            if settings.kind == "chat" else None)
+    encode = (_text_batch(tokenizer, settings, eos, path) if settings.kind == "text"
+              else _chat_batch(tokenizer, settings, path))
+    procs = max(1, min(num_proc, -(-len(records) // BATCH)))
 
     def encode_and_count(batch: dict, indices: list[int]) -> dict:
-        out = text(batch) if text is not None else chat(batch, indices)
+        out = encode(batch, indices)
         out["length"] = [len(x) for x in out["ids"]]
-        progress.update(len(out["ids"]), sum(out["length"]))
+        if progress is not None:
+            progress.update(len(out["ids"]), sum(out["length"]))
         return out
 
-    return records.map(encode_and_count, batched=True, batch_size=256, with_indices=True,
+    return records.map(encode_and_count, batched=True, batch_size=BATCH, with_indices=True,
                        remove_columns=records.column_names, load_from_cache_file=False,
-                       keep_in_memory=False)
+                       keep_in_memory=False, num_proc=procs if procs > 1 else None,
+                       desc="tokenizing", new_fingerprint=_fingerprint(records, settings))
+
+
+def _fingerprint(records, settings: DocSettings) -> str:
+    """The output's name in `datasets`' cache, given here: by default `datasets` hashes the
+    function with its tokenizer, which takes seconds (and its cache is not read again:
+    load_from_cache_file=False). Unique per call, so no two preparations share files."""
+    import hashlib
+
+    text = f"{records._fingerprint}{settings}{os.getpid()}{time.time_ns()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _usable(docs, settings: DocSettings, bad_here: int):
@@ -132,7 +172,7 @@ def _nothing_usable(where: str, key: str, split: str, total: int, why: dict,
 
 
 def _tokenized_split(where: str, key: str, tokenizer, settings: DocSettings, clean: str,
-                     bad: BadRecords):
+                     bad: BadRecords, num_proc: int):
     """One split's records, checked (trainer/data/records.py) and tokenized, and how many of
     them were bad records skipped (they come out empty; bad lines never became records)."""
     files = None if is_saved_dataset(where) else data_files(where)
@@ -140,19 +180,40 @@ def _tokenized_split(where: str, key: str, tokenizer, settings: DocSettings, cle
         files = checked_files(files, key, settings.skip_bad_records, clean, bad)
     records = open_documents(where, settings.split, files=files, key=key)
     check_fields(list(records.column_names or []), settings, where)
-    progress, before = _Progress(len(records)), bad.count
+    # Our bar (documents, tokens/s) lives in this process; workers report to `datasets`' own.
+    progress = _Progress(len(records)) if num_proc <= 1 else None
     try:
-        return tokenize(records, tokenizer, settings, progress, where, bad), bad.count - before
+        with _datasets_bar(progress is None):
+            docs = tokenize(records, tokenizer, settings, progress, where, num_proc)
     except UnicodeDecodeError as exc:
         raise DataError(f"{key}: {where} is not UTF-8 text ({exc.reason} at byte "
                         f"{exc.start})") from None
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
+    skipped = [b for b in docs["bad"] if b]
+    for where_, why in skipped:
+        bad.add(where_, why)
+    return docs.remove_columns("bad"), len(skipped)
+
+
+@contextlib.contextmanager
+def _datasets_bar(shown: bool):
+    """`datasets`' progress bar for the one map call that has no bar of ours."""
+    import datasets
+
+    if shown:
+        datasets.enable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.disable_progress_bars()
 
 
 def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
-            settings: DocSettings) -> dict:
-    """Tokenize, hold out validation documents (unless `val_path`), pack; returns the stats."""
+            settings: DocSettings, num_proc: int = 1) -> dict:
+    """Tokenize (in `num_proc` processes), hold out validation documents (unless `val_path`),
+    pack; returns the stats."""
     import datasets
 
     datasets.disable_progress_bars()  # ours says documents and tokens/s
@@ -163,7 +224,8 @@ def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
     docs, raw, why, bad = {}, 0, {}, BadRecords()
     clean = os.path.join(work, "clean")  # good lines of jsonl files with bad ones, if skipping
     for split, (where, key) in places.items():
-        tokenized, bad_here = _tokenized_split(where, key, tokenizer, settings, clean, bad)
+        tokenized, bad_here = _tokenized_split(where, key, tokenizer, settings, clean, bad,
+                                               num_proc)
         raw += len(tokenized)
         docs[split], why[split] = _usable(tokenized, settings, bad_here)
         if len(docs[split]) == 0:
@@ -222,11 +284,13 @@ def pack_split(folder: str, docs, seq_len: int, pad_id: int, settings: DocSettin
                         "data.seq_len or set data.overlong=truncate")
     write_windows(folder, windows, num, seq_len, os.path.dirname(os.path.dirname(folder)))
     counts = np.load(os.path.join(folder, "counts.npy"))
-    supervised = int(counts[:, 0].sum())
+    supervised, real = int(counts[:, 0].sum()), int(counts[:, 1].sum())
     top = max(int(np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r").max())
               for name in ("inputs", "targets"))
-    return {"windows": num, "supervised": supervised, "real_tokens": int(counts[:, 1].sum()),
-            "efficiency": supervised / max(1, num * seq_len), "truncated": int(truncated),
+    # efficiency: real tokens over the windows' capacity; supervised_fraction: of the real.
+    return {"windows": num, "supervised": supervised, "real_tokens": real,
+            "efficiency": real / max(1, num * seq_len),
+            "supervised_fraction": supervised / max(1, real), "truncated": int(truncated),
             "dropped_overlong": int(dropped), "max_id": top}
 
 

@@ -140,8 +140,11 @@ class StepLog:
         packing efficiency, planned recompute, offload, CUDA memory and MFU."""
         extra = {}
         if counts is not None:
+            # How full the windows are (real tokens over capacity), and how much of what
+            # fills them is learned: two questions, two numbers.
             extra["supervised_tokens"] = counts[0]
-            extra["packing_efficiency"] = counts[0] / self.shape.tokens
+            extra["packing_efficiency"] = counts[1] / self.shape.tokens
+            extra["supervised_fraction"] = counts[0] / max(1, counts[1])
         if self.shape.recompute_s is not None:
             extra["recompute_s"] = self.shape.recompute_s
         if self.offloader is not None:

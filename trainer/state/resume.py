@@ -140,9 +140,25 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
         notes.append(f"global batch {state['global_batch_size']} x {state['seq_len']} tokens "
                      f"became {layout.global_batch_size} x {cfg.data.seq_len}: the data order "
                      "from here differs from the original run's")
+    was = _val_samples(state["config"], state["world_size"], state.get("sequence", 1))
+    is_ = _val_samples(dataclasses.asdict(cfg), layout.world_size, layout.sequence)
+    if was is not None and is_ is not None and was != is_:
+        notes.append(f"validation is {is_} samples now, {was} before (train.eval_batches x "
+                     "micro-batch x data-parallel groups): val_loss from here is not comparable "
+                     "with the values before this resume")
     saved, now = _flat(state["config"]), _flat(dataclasses.asdict(cfg))
     changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if changed:
         notes.append("config changed since the save: " + ", ".join(
             f"{k}={saved.get(k)!r}->{now.get(k)!r}" for k in changed))
     return progress, "; ".join(notes)
+
+
+def _val_samples(config: dict, world_size: int, sequence: int) -> Optional[int]:
+    """How many samples the validation set holds (trainer/data/tokens.py's val_batches: each
+    data-parallel group scores its own eval_batches micro-batches); None where unresolved."""
+    train = config.get("train", {})
+    micro, batches = train.get("micro_batch_size"), train.get("eval_batches")
+    if not isinstance(micro, int) or not isinstance(batches, int):
+        return None
+    return batches * micro * (world_size // max(1, sequence))
