@@ -14,6 +14,8 @@ import sys
 from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
+from trainer.data.demo import DEMO, with_demo
+from trainer.models.families import family_of
 from trainer.validate import Layout, check_writable, validate  # noqa: F401
 from trainer.state.rundir import register_resolver
 
@@ -129,6 +131,12 @@ def to_config(cfg) -> Config:
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, Config):  # composed without the schema: refuse rather than guess
         raise ConfigError("defaults", "the config must start from the `schema` defaults entry")
+    if obj.data.path == DEMO:  # the files the rest of the run reads, made on first use
+        try:
+            own = family_of(obj.model).own_tokenizer(obj.model)
+        except ConfigError:  # a wrong model.arch: validate() says so
+            own = None
+        obj.data = with_demo(obj.data, own)
     return obj
 
 

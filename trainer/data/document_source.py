@@ -25,7 +25,8 @@ class DocumentSource(Source):
     def check_files(self, d: DataConfig, model: ModelFacts) -> None:
         """Where the documents are and which tokenizer reads them."""
         require(bool(d.path), "data.path", f"data={self.name} needs data.path=<jsonl or parquet "
-                "file, folder, glob, saved dataset or dataset name>")
+                "file, folder, glob, saved dataset or dataset name>, or data.path=demo to try "
+                "it on made-up ones")
         require(d.train_path is None, "data.train_path",
                 f"data={self.name} reads data.path (data.train_path is for data=tokens and "
                 "images)")

@@ -245,6 +245,11 @@ class LanguageModel(Family):
 
     language_model = True
 
+    def context_length(self, m: ModelConfig, model: nn.Module) -> Optional[int]:
+        """The longest sequence the built `model` reads (trainer.generate's bound); None: the
+        model sets none."""
+        return m.max_seq_len
+
     def head_chunk(self, m: ModelConfig, head: CheckpointingConfig) -> Optional[int]:
         """Tokens per chunk of the fused chunked head; None for the plain head."""
         if head.head != "chunked":
