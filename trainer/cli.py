@@ -14,7 +14,8 @@ import sys
 from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
-from trainer.data.demo import DEMO, with_demo
+from trainer.data.demo import DEMO
+from trainer.data.factory import source_of
 from trainer.models.families import family_of
 from trainer.validate import Layout, check_writable, validate  # noqa: F401
 from trainer.state.rundir import register_resolver
@@ -178,9 +179,9 @@ def to_config(cfg) -> Config:
     if obj.data.path == DEMO:  # the files the rest of the run reads, made on first use
         try:
             own = family_of(obj.model).own_tokenizer(obj.model)
-        except ConfigError:  # a wrong model.arch: validate() says so
-            own = None
-        obj.data = with_demo(obj.data, own)
+            obj.data = source_of(obj.data).with_demo(obj.data, own)
+        except ConfigError:  # a wrong model.arch or data.source: validate() says so
+            pass
     return obj
 
 

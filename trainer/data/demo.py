@@ -71,17 +71,17 @@ DEMO = "demo"  # data.path=demo: the demo set below, made on first use
 DEMO_VERSION = "v1"  # a new version when what the demo files hold changes
 
 
-def with_demo(d: DataConfig, own_tokenizer: Optional[str]) -> DataConfig:
-    """data.path=demo (data=text or chat): `d` reading the demo set written under data.cache_dir
-    (demo/<version>/: text.jsonl or chats.jsonl, and a small ChatML tokenizer that the
-    default model's vocabulary holds, used unless data.tokenizer or the model's own is set);
-    any other `d` as it is."""
-    if d.path != DEMO or d.source not in ("text", "chat"):
+def with_demo(d: DataConfig, own_tokenizer: Optional[str], chats: bool) -> DataConfig:
+    """data.path=demo (data=text or chat; its DocumentSource asks): `d` reading the demo set
+    written under data.cache_dir (demo/<version>/: text.jsonl or, with `chats`, chats.jsonl,
+    and a small ChatML tokenizer that the default model's vocabulary holds, used unless
+    data.tokenizer or the model's own is set); any other `d` as it is."""
+    if d.path != DEMO:
         return d
     from trainer.data.documents import default_cache_dir
 
     root = Path(d.cache_dir or default_cache_dir()) / DEMO / DEMO_VERSION
-    if d.source == "chat":
+    if chats:
         path = _write_once(root / "chats.jsonl", lambda p: write_jsonl(p, chat_records(400)))
     else:
         path = _write_once(root / "text.jsonl", lambda p: write_jsonl(p, text_records(2000)))

@@ -38,6 +38,14 @@ class DocumentSource(Source):
         if d.cache_dir is not None:
             check_writable(d.cache_dir, "data.cache_dir")
 
+    def run_tokenizer(self, d: DataConfig, own: Optional[str]) -> Optional[str]:
+        return d.tokenizer or own
+
+    def with_demo(self, d: DataConfig, own: Optional[str]) -> DataConfig:
+        from trainer.data.demo import with_demo
+
+        return with_demo(d, own, chats=self.name == "chat")
+
     def check_deep(self, d: DataConfig, model: ModelFacts) -> None:
         """The files are there and have the field, the tokenizer loads (with a chat template
         for chat) and fits the model's vocabulary. The first record is enough."""

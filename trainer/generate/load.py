@@ -82,19 +82,20 @@ def load(path: str, device: torch.device, tokenizer: Optional[str] = None) -> Lo
         family = family_of_saved(model_cfg)
     except ConfigError as exc:
         raise GenerateError(f"{folder}: {exc}") from None
-    if not family.language_model:
-        raise GenerateError(f"{folder}: model.arch={family.arch} classifies images; "
-                            "trainer.generate needs a language model")
     m = model_config(model_cfg)
+    model = family.build_on_meta(m)
+    try:
+        limit = family.context_length(m, model)
+    except ConfigError as exc:
+        raise GenerateError(f"{folder}: {exc}") from None
     if name is None and kind == "checkpoint":
         name = tokenizer_of_run(saved["data"], family.own_tokenizer(m))
     if name is None:
         raise GenerateError(f"{folder}: the run does not say which tokenizer made its ids "
                             "(data=tokens or synthetic); pass --tokenizer FOLDER")
-    model = family.build_on_meta(m)
     _fill(model, tensors if tensors is not None else load_model_state(folder), device)
-    return Loaded(lambda tokens: model(tokens), _tokenizer(name), family.context_length(m, model),
-                  device, folder, _eos_ids(folder, m.path))
+    return Loaded(lambda tokens: model(tokens), _tokenizer(name), limit, device, folder,
+                  _eos_ids(folder, m.path))
 
 
 def _own_files(folder: str) -> Optional[str]:

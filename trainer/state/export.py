@@ -79,14 +79,14 @@ def export(folder: str, out: str) -> str:
     model_cfg, step = saved["config"]["model"], saved["progress"]["step"]
     family = family_of_saved(model_cfg)
     out = family.export(tensors, model_cfg, out, step, folder)
-    if family.language_model:
-        write_tokenizer(out, saved["config"]["data"], family, model_config(model_cfg))
+    write_tokenizer(out, saved["config"]["data"], family, model_config(model_cfg))
     return out
 
 
 def write_tokenizer(out: str, data: Mapping, family: Family, m: ModelConfig) -> Optional[str]:
     """The run's tokenizer files (chat template included) and generation_config.json in `out`;
-    the tokenizer's name, or None where the run does not say which made its ids."""
+    the tokenizer's name, or None where the run does not say which made its ids (or read
+    images)."""
     from transformers import GenerationConfig
 
     name = tokenizer_of_run(data, family.own_tokenizer(m))
