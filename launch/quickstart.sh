@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command to set up and train, one to set up and test:
-#   ./launch/quickstart.sh train [key=value ...]   # python -m trainer with these overrides
+#   ./launch/quickstart.sh train [key=value ...]   # python -m trainer with these overrides, in
+#                                                  # outputs/quickstart (started again: resumes)
 #   ./launch/quickstart.sh test  [pytest args ...] # the full test suite (what CI runs)
 # Setup is idempotent: a virtual environment (BLOCKTRAIN_VENV, default .venv) with torch and
 # blocktrain installed editable with its dev extras. Set BLOCKTRAIN_TORCH to pick another torch.
@@ -69,7 +70,14 @@ setup_timm() {
 cmd="${1:-}"
 shift || true
 case "$cmd" in
-  train) exec "$py" -m trainer "$@" ;;
+  # One run directory for the quick-start job, outputs/quickstart: started again, it resumes
+  # from its newest checkpoint (a finished one ends at once). train.run_name=NAME (or
+  # hydra.run.dir, or a -m sweep) on the command line chooses another.
+  train) run_name=(train.run_name=quickstart)
+    for arg in "$@"; do
+      case "$arg" in train.run_name=*|hydra.run.dir=*|-m|--multirun) run_name=() ;; esac
+    done
+    exec "$py" -m trainer ${run_name[@]+"${run_name[@]}"} "$@" ;;
   # Two workers, each taking whole test files (module fixtures are computed once); a later
   # `-n N` (or `-n 0`) among the arguments wins.
   # The tests never reach a W&B server: offline runs are what they read back.

@@ -259,6 +259,27 @@ def _without(signals: str, handled: Sequence[str]) -> str:
     return ",".join(s for s in signals.split(",") if s.strip() and s.strip() not in handled)
 
 
+def _parser(torchrun):
+    """torchrun's own parser, its help led by what this launcher and blocktrain add."""
+    import argparse
+
+    from trainer.cli import EXIT_STATUSES, RUNS
+
+    parser = torchrun.get_args_parser()
+    parser.prog = "python -m launch.run"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.usage = "python -m launch.run [torchrun's options] -m trainer [overrides]"
+    parser.description = (
+        "blocktrain's torchrun (also blocktrain-run): torchrun's options, rendezvous and "
+        "workers,\nwith a training run's stopping: Ctrl-C and SIGTERM reach the workers, which "
+        "finish their\nstep, save and exit (a second Ctrl-C stops them at once); a deliberate "
+        "exit is not\nrestarted by --max-restarts; the workers' own exit status is the "
+        "launcher's.\n\n"
+        f"{EXIT_STATUSES}\n\n{RUNS}\n\ntorchrun's own help follows.\n\n"
+        f"{parser.description}")
+    return parser
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -278,7 +299,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     group.install()  # a Ctrl-C during the rendezvous stops at once
     _quiet_torchrun()
-    args = torchrun.parse_args(argv)
+    args = _parser(torchrun).parse_args(argv)
     bad = _bad_nproc(str(args.nproc_per_node))
     if bad:
         print(f"error: --nproc-per-node: {bad}", file=sys.stderr, flush=True)

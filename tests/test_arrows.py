@@ -48,7 +48,7 @@ def test_the_check_sees_an_upward_import(tmp_path) -> None:
 # it. Models, data and state never reach the loop, the report or W&B; the entry points come last.
 TRAINER_ORDER = ("config", "distenv", "faults", "models", "data", "validate", "task", "state",
                  "optim", "build", "preflight", "observe", "loop", "cli", "__main__",
-                 "report", "export", "tokenize", "workspace")
+                 "report", "export", "generate", "tokenize", "workspace")
 PROJECT = ("trainer", "checkpointing", "offload", "sharding", "launch")
 
 

@@ -182,6 +182,8 @@ def main() -> None:
         if single is not None:
             _job(*single, multirun=False)
         else:
+            if any(a in cli._HELP_FLAGS for a in argv):  # ours first, then Hydra's
+                print(cli.HELP)
             sys.argv = [sys.argv[0]] + cli.hydra_argv(argv)
             _hydra_run()
     except KeyboardInterrupt:  # Ctrl-C twice, or before training started

@@ -15,6 +15,9 @@ from typing import Any, Mapping, Optional, Sequence, get_type_hints
 
 from trainer.config import Config, ConfigError, register_schema  # noqa: F401
 from sharding.layout import Layout
+from trainer.data.demo import DEMO
+from trainer.data.factory import source_of
+from trainer.models.families import family_of
 from trainer.validate import check_writable, validate  # noqa: F401
 from trainer.state.rundir import register_resolver
 
@@ -22,6 +25,50 @@ USAGE_ERROR = 2
 _HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c",
                             "--shell-completion", "-sc", "--resolve", "-p", "--package")
 _MULTIRUN_FLAGS = ("--multirun", "-m")
+_HELP_FLAGS = ("--help", "-h")
+
+# What blocktrain adds, said first by `python -m trainer --help` and `python -m launch.run --help`
+# (Hydra's and torchrun's own help follow).
+EXIT_STATUSES = """\
+exit statuses (one process, and a group started with `python -m launch.run`):
+  0    finished
+  1    a fault that is not a setting (NaN or rollback limits, a collective timed out, a worker
+       killed by a signal)
+  2    a configuration mistake: one line naming the setting, before anything starts
+  74   a checkpoint could not be written (a full disk); the last good step is named
+  75   stopped after a committed save (preemption, SIGTERM, train.stop_at_step): start it again
+  130  Ctrl-C: saved (first Ctrl-C) or stopped at once (second)"""
+RUNS = """\
+where runs go: train.out_dir/<run id> (default outputs/), the same on every rank and node; the
+run id is train.run_name, else slurm-<job id>, torchrun-<rendezvous id>, or the start time and
+pid. Starting a run again in its directory resumes from its newest committed checkpoint
+(save.resume=true). Then: python -m trainer.export RUN_DIR (a folder transformers loads) and
+python -m trainer.generate RUN_DIR --prompt TEXT | --chat (talk to the model)."""
+GROUPS = """\
+config groups (group=option; Hydra lists their options below) and any key=value:
+  model          the network: tiny and llama_* (built-in Llama), hf (any Hugging Face causal LM:
+                 model.path or model.hf_config), vit_*, hf_vision, timm (image classifiers)
+  data           what it reads: bytes (the default demo), tokens, synthetic, text and chat
+                 (data.path=<jsonl, parquet, dataset>, or data.path=demo), images
+  sharding       fsdp, hsdp or none; sharding.sequence for long sequences
+  checkpointing  each block's recompute plan: none, full, selective, every_k, sqrt, budget, auto
+  offload        saved activations to cpu or disk
+  train, optim, save, logging, faults   steps and batch, AdamW, checkpoints and resume, console
+                 and W&B, NaN and rollback limits
+  precision      dtype presets per model and sharding (chosen by themselves)"""
+HELP = f"""\
+blocktrain: one plan per block (shard, recompute, offload) for models that do not fit as they
+are. python -m trainer [group=option ...] [key=value ...]; torchrun or python -m launch.run
+--nproc-per-node N -m trainer ... for more processes; -m for a sweep; --cfg job prints the config.
+
+{GROUPS}
+
+{EXIT_STATUSES}
+
+{RUNS}
+
+Hydra's own help follows (--hydra-help: Hydra's flags).
+"""
 
 
 def world_from_env(env: Mapping[str, str]) -> tuple[int, int, int]:
@@ -130,6 +177,12 @@ def to_config(cfg) -> Config:
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, Config):  # composed without the schema: refuse rather than guess
         raise ConfigError("defaults", "the config must start from the `schema` defaults entry")
+    if obj.data.path == DEMO:  # the files the rest of the run reads, made on first use
+        try:
+            own = family_of(obj.model).own_tokenizer(obj.model)
+            obj.data = source_of(obj.data).with_demo(obj.data, own)
+        except ConfigError:  # a wrong model.arch or data.source: validate() says so
+            pass
     return obj
 
 

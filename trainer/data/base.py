@@ -58,6 +58,17 @@ class Source:
                 f"model.arch={arch} classifies images; use data=synthetic_images or data=images "
                 f"(now data.source={self.name})")
 
+    def run_tokenizer(self, d: DataConfig, own: Optional[str]) -> Optional[str]:
+        """The tokenizer that made a run's ids, to read its model back (trainer.generate, the
+        export folder): a folder or name, trainer/data/run_tokenizer.py's BYTES, or None when
+        the run does not say. `own`: the model's own tokenizer (model=hf's model.path)."""
+        return d.tokenizer
+
+    def with_demo(self, d: DataConfig, own: Optional[str]) -> DataConfig:
+        """`d` reading the demo set data.path=demo names, made on first use; here, `d` as it is
+        (only documents have a demo set)."""
+        return d
+
     def check_files(self, d: DataConfig, model: ModelFacts) -> None:
         """What the config's values and the files' names and sizes tell (no torch)."""
 

@@ -6,8 +6,14 @@ download), generated records, and jsonl / parquet writers."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
+
+from trainer.config import DataConfig
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
           "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -35,6 +41,72 @@ def make_tokenizer(folder: Path, vocab_size: int = 300, template: Optional[str] 
         fast.chat_template = template
     fast.save_pretrained(str(folder))
     return folder
+
+
+def make_small_tokenizer(folder: Path, vocab_size: int = 256) -> Path:
+    """A ChatML tokenizer that fits the built-in tiny model's 256 ids: byte-level BPE over
+    printable ASCII and newline only (any other byte is <unk>), eos <|im_end|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from trainer.data.run_tokenizer import byte_chars
+
+    chars = byte_chars()
+    alphabet = [chars[b] for b in (10, *range(32, 127))]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIALS, "<unk>"],
+                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                  show_progress=False)
+    tok.train_from_iterator([" ".join(WORDS)] * 50, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<unk>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+DEMO = "demo"  # data.path=demo: the demo set below, made on first use
+DEMO_VERSION = "v1"  # a new version when what the demo files hold changes
+
+
+def with_demo(d: DataConfig, own_tokenizer: Optional[str], chats: bool) -> DataConfig:
+    """data.path=demo (data=text or chat; its DocumentSource asks): `d` reading the demo set
+    written under data.cache_dir (demo/<version>/: text.jsonl or, with `chats`, chats.jsonl,
+    and a small ChatML tokenizer that the default model's vocabulary holds, used unless
+    data.tokenizer or the model's own is set); any other `d` as it is."""
+    if d.path != DEMO:
+        return d
+    from trainer.data.documents import default_cache_dir
+
+    root = Path(d.cache_dir or default_cache_dir()) / DEMO / DEMO_VERSION
+    if chats:
+        path = _write_once(root / "chats.jsonl", lambda p: write_jsonl(p, chat_records(400)))
+    else:
+        path = _write_once(root / "text.jsonl", lambda p: write_jsonl(p, text_records(2000)))
+    tokenizer = d.tokenizer or own_tokenizer
+    if tokenizer is None:
+        tokenizer = str(_write_once(root / "tokenizer", make_small_tokenizer))
+    return replace(d, path=str(path), tokenizer=tokenizer)
+
+
+def _write_once(path: Path, write) -> Path:
+    """`path` as `write` makes it, made once: in a temporary sibling, then renamed (a process
+    starting beside this one sees the whole file or folder, or none)."""
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    write(work / path.name)
+    try:
+        os.rename(work / path.name, path)
+    except OSError:  # another process made it first
+        if not path.exists():
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return path
 
 
 # Chat templates in the shapes of real models' (simplified; contents rendered as real ones do).

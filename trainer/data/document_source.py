@@ -31,7 +31,8 @@ class DocumentSource(Source):
     def check_files(self, d: DataConfig, model: ModelFacts) -> None:
         """Where the documents are and which tokenizer reads them."""
         require(bool(d.path), "data.path", f"data={self.name} needs data.path=<jsonl or parquet "
-                "file, folder, glob, saved dataset or dataset name>")
+                "file, folder, glob, saved dataset or dataset name>, or data.path=demo to try "
+                "it on made-up ones")
         require(d.train_path is None, "data.train_path",
                 f"data={self.name} reads data.path (data.train_path is for data=tokens and "
                 "images)")
@@ -45,6 +46,14 @@ class DocumentSource(Source):
         require(d.num_proc is None or (type(d.num_proc) is int and d.num_proc >= 1),
                 "data.num_proc", f"must be a number of processes of at least 1 (or null: the "
                 f"cores of this node split across its ranks), got {d.num_proc!r}")
+
+    def run_tokenizer(self, d: DataConfig, own: Optional[str]) -> Optional[str]:
+        return d.tokenizer or own
+
+    def with_demo(self, d: DataConfig, own: Optional[str]) -> DataConfig:
+        from trainer.data.demo import with_demo
+
+        return with_demo(d, own, chats=self.name == "chat")
 
     def check_deep(self, d: DataConfig, model: ModelFacts) -> None:
         """The files are there and have the field, the tokenizer loads (with a chat template

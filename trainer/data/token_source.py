@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 
 class TokenSource(Source):
+    def run_tokenizer(self, d: DataConfig, own: Optional[str]) -> Optional[str]:
+        """data=bytes: the ids are the bytes; tokens and synthetic: data.tokenizer if set."""
+        from trainer.data.run_tokenizer import BYTES
+
+        return BYTES if self.name == "bytes" else d.tokenizer
+
     def check_files(self, d: DataConfig, model: ModelFacts) -> None:
         if self.name == "tokens":
             require(bool(d.train_path), "data.train_path",

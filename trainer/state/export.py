@@ -4,8 +4,11 @@ CHECKPOINT is a committed checkpoint folder (`<run dir>/checkpoints/step_<N>`) o
 (its newest committed checkpoint). Writes DIR/model.safetensors (full, unsharded fp32 weights,
 named as in the model) and DIR/config.json (the model config and where it came from), or what
 the model's family writes instead (trainer/models/families/): a folder `from_pretrained` loads
-for the Hugging Face families, one timm loads for timm. Runs in one process without a process
-group, whatever world size wrote the checkpoint; the optimizer state is not read.
+for the Hugging Face families, one timm loads for timm. A language model's folder also gets the
+run's tokenizer (its files and chat template, as `save_pretrained` writes them: data.tokenizer,
+model.path's, or the byte tokenizer of data=bytes) and generation_config.json (its bos, eos and
+pad ids), so transformers loads it whole. Runs in one process without a process group, whatever
+world size wrote the checkpoint; the optimizer state is not read.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ import os
 import sys
 import warnings
 
+from dataclasses import fields
+from typing import Mapping, Optional
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer.models.families import family_of_saved
+from trainer.config import ModelConfig
+from trainer.data.run_tokenizer import load_run_tokenizer, tokenizer_of_run
+from trainer.models.families import Family, family_of_saved
 from trainer.state.meta import SafeReader, UnsafeMetadata
 from trainer.state.checkpoint import STATE, list_checkpoints, verify
 
@@ -56,13 +64,46 @@ def load_model_state(folder: str) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def model_config(saved: Mapping) -> ModelConfig:
+    """The dataclass of a checkpoint's model section (keys it does not know are dropped)."""
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in known})
+
+
 def export(folder: str, out: str) -> str:
-    """The checkpoint's model in the form its family exports (trainer/models/families/)."""
+    """The checkpoint's model in the form its family exports (trainer/models/families/), with
+    the run's tokenizer and generation settings beside a language model's weights."""
     with open(os.path.join(folder, STATE)) as f:
         saved = json.load(f)
     tensors = {name: t.contiguous() for name, t in load_model_state(folder).items()}
     model_cfg, step = saved["config"]["model"], saved["progress"]["step"]
-    return family_of_saved(model_cfg).export(tensors, model_cfg, out, step, folder)
+    family = family_of_saved(model_cfg)
+    out = family.export(tensors, model_cfg, out, step, folder)
+    write_tokenizer(out, saved["config"]["data"], family, model_config(model_cfg))
+    return out
+
+
+def write_tokenizer(out: str, data: Mapping, family: Family, m: ModelConfig) -> Optional[str]:
+    """The run's tokenizer files (chat template included) and generation_config.json in `out`;
+    the tokenizer's name, or None where the run does not say which made its ids (or read
+    images)."""
+    from transformers import GenerationConfig
+
+    name = tokenizer_of_run(data, family.own_tokenizer(m))
+    if name is None:
+        return None
+    tokenizer = load_run_tokenizer(name)
+    tokenizer.save_pretrained(out)
+    pretrained = m.path and os.path.exists(os.path.join(m.path, "generation_config.json"))
+    generation = GenerationConfig.from_pretrained(m.path) if pretrained else GenerationConfig()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key)
+        if value is not None:
+            setattr(generation, key, value)
+    if generation.pad_token_id is None:  # transformers pads finished rows with it
+        generation.pad_token_id = generation.eos_token_id
+    generation.save_pretrained(out)
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(folder))),
                                    "export", os.path.basename(folder))
     export(folder, out)
-    print(f"exported {folder} to {out}/model.safetensors and config.json")
+    print(f"exported {folder} to {out}: {', '.join(sorted(os.listdir(out)))}")
     return 0
 
 

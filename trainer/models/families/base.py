@@ -251,6 +251,13 @@ class Family:
         of trainer/data/images.py)."""
         return None
 
+    def context_length(self, m: ModelConfig, model: nn.Module) -> Optional[int]:
+        """The longest token sequence the built `model` reads (trainer.generate's bound; None:
+        the model sets none); a family whose models generate no text refuses, naming
+        model.arch."""
+        raise ConfigError("model.arch", f"model.arch={self.arch} generates no text; "
+                          "trainer.generate needs a language model")
+
     # Weights out.
     def export(self, tensors: Mapping[str, torch.Tensor], model: Mapping, out: str, step: int,
                checkpoint: str) -> str:
@@ -274,6 +281,9 @@ class LanguageModel(Family):
     cross-entropy) or the fused chunked head (checkpointing.head=chunked)."""
 
     sample = "tokens"
+
+    def context_length(self, m: ModelConfig, model: nn.Module) -> Optional[int]:
+        return m.max_seq_len
 
     def head_chunk(self, m: ModelConfig, head: CheckpointingConfig) -> Optional[int]:
         """Tokens per chunk of the fused chunked head; None for the plain head."""

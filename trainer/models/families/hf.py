@@ -139,6 +139,10 @@ class HFCausalLM(LanguageModel):
         model.sequence_group = group
         return wrapped
 
+    def context_length(self, m: ModelConfig, model: nn.Module) -> Optional[int]:
+        """The HF config's own bound (model.max_seq_len is unused here)."""
+        return getattr(model.hf.config, "max_position_embeddings", None)
+
     def check_fused_head(self, m: ModelConfig) -> None:
         hf = self.build_on_meta(m).hf
         bent = bent_logit_fields(hf.config)
