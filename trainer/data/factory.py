@@ -3,7 +3,8 @@ and everything else asks that object (tests/test_architecture.py holds this line
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.base import ModelFacts, Source
@@ -40,3 +41,11 @@ def open_data(d: DataConfig, model: ModelFacts, sampling: Sampling,
               watchdog: TimeoutWatchdog) -> Data:
     """The Data a Trainer holds (see Source.open)."""
     return source_of(d).open(d, model, sampling, preprocess, device, watchdog)
+
+
+def tokenizer_of_run(data: Mapping, own: Optional[str]) -> Optional[str]:
+    """A tokenizer folder or name, BYTES, or None when the run does not say (data=tokens and
+    synthetic read ids made elsewhere). `data` is a checkpoint's data section, as saved."""
+    known = {f.name for f in fields(DataConfig)}
+    d = DataConfig(**{k: v for k, v in data.items() if k in known})
+    return source_of(replace(d, streaming=False)).run_tokenizer(d, own)

@@ -1,25 +1,10 @@
 """The tokenizer a run's text went through, for reading its model back (trainer.generate, the
-export folder): which one its data source says (Source.run_tokenizer: data.tokenizer, the
-model's own, or BYTES for data=bytes), loaded here; BYTES is a tokenizer whose ids are the bytes
-themselves (built here, nothing downloaded)."""
+export folder), loaded here once trainer.data.factory.tokenizer_of_run has named it; BYTES is a
+tokenizer whose ids are the bytes themselves (built here, nothing downloaded)."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
-from typing import Mapping, Optional
-
 BYTES = "bytes"  # the run read raw bytes (data=bytes): token id = byte value
-
-
-def tokenizer_of_run(data: Mapping, own: Optional[str]) -> Optional[str]:
-    """A tokenizer folder or name, BYTES, or None when the run does not say (data=tokens and
-    synthetic read ids made elsewhere). `data` is a checkpoint's data section, as saved."""
-    from trainer.config import DataConfig
-    from trainer.data.factory import source_of
-
-    known = {f.name for f in fields(DataConfig)}
-    d = DataConfig(**{k: v for k, v in data.items() if k in known})
-    return source_of(replace(d, streaming=False)).run_tokenizer(d, own)
 
 
 def byte_chars() -> dict[int, str]:

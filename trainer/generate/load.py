@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from trainer.config import ConfigError
-from trainer.data.run_tokenizer import load_run_tokenizer, tokenizer_of_run
+from trainer.data.factory import tokenizer_of_run
+from trainer.data.run_tokenizer import load_run_tokenizer
 from trainer.models.families import family_of_saved
 from trainer.state.checkpoint import STATE, list_checkpoints, verify
 from trainer.state.export import load_model_state, model_config

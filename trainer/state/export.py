@@ -27,7 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainer.config import ModelConfig
-from trainer.data.run_tokenizer import load_run_tokenizer, tokenizer_of_run
+from trainer.data.factory import tokenizer_of_run
+from trainer.data.run_tokenizer import load_run_tokenizer
 from trainer.models.families import Family, family_of_saved
 from trainer.state.meta import SafeReader, UnsafeMetadata
 from trainer.state.checkpoint import STATE, list_checkpoints, verify
