@@ -71,6 +71,18 @@ def _set_torch_state(state: dict) -> None:
 
 
 @pytest.fixture(autouse=True)
+def planner_timings_given():
+    """The planner's choices in this process are made from given timings, not measured ones
+    (tests/checkpoint_harness.py): a loaded machine must not change which plan a test checks.
+    Runs of the trainer CLI (subprocesses) still measure; tests.dist.spawn's ranks are given
+    them too."""
+    from tests.checkpoint_harness import fixed_planner_timings
+
+    with fixed_planner_timings():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def independent_of_order():
     """What torch keeps between calls is put back after each test, so that a test's outcome does
     not depend on which ran before it (random order: pytest-randomly): dynamo's compiled graphs

@@ -29,8 +29,11 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
     try:
         # Tensors are sent as bytes: torch's queue pickling shares memory through handles that die
         # with this process before the parent reads them.
+        from tests.checkpoint_harness import fixed_planner_timings
+
         buffer = io.BytesIO()
-        torch.save(fn(rank, world_size, *args), buffer)
+        with fixed_planner_timings():  # as in the test's own process (tests/conftest.py)
+            torch.save(fn(rank, world_size, *args), buffer)
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
