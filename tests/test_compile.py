@@ -91,8 +91,6 @@ def test_compiler_placement_is_bitwise_without_dropout(world_of_one, tmp_path) -
         results[p[-1], "none"] = _steps([*p, "model.dropout=0.0"], str(tmp_path), 0)
     _check({("checkpointing=none", "none"): results["checkpointing=none", "none"],
             **{("compiler " + k, t): v for (k, t), v in results.items()}}, dropout=False)
-    # Given its timings, the budget planner chooses the compiler's placement: bitwise too.
-    assert "compiler" in {r for r, _ in results["checkpointing.budget=0.6", "none"][4]}
     # A smaller budget keeps fewer bytes, and both fewer than without checkpointing.
     saved = {k: v[2] for (k, _), v in results.items()}
     assert saved["checkpointing.budget=0.2"] < saved["checkpointing.budget=0.7"] < \
