@@ -71,7 +71,11 @@ def _check(results: dict, dropout: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "qwen3_tiny"])
 def test_every_policy_and_target_bitwise_compiled_one_rank(world_of_one, tmp_path, model) -> None:
-    _check(_grid(0, 1, str(tmp_path), [f"model={model}", "model.dropout=0.1"]), dropout=True)
+    # offload=cpu on a CPU device runs the hooks but moves nothing, whatever the model: the tiny
+    # Llama covers it; Qwen3's blocks run every policy kept and on disk.
+    targets = TARGETS if model == "tiny" else ("none", "disk")
+    _check(_grid(0, 1, str(tmp_path), [f"model={model}", "model.dropout=0.1"], targets),
+           dropout=True)
     assert not any(files for _, _, files in os.walk(tmp_path))  # every offload file is gone
 
 
