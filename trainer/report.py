@@ -166,6 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from trainer.preflight.scenario import Evaluator, Scenario, device_type_of
     from trainer.preflight.tables import host_check
     from trainer.preflight.host_memory import host_lines, host_verdict, reserve_bytes
+    from trainer.preflight.step_report import outcome_step_time
+    from checkpointing.planner.step_time import step_lines
 
     # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary),
     # unless the run is for the CPU (train.device=cpu).
@@ -201,6 +203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if head_note is not None:
         print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
+    step = outcome_step_time(outcome, args.tflops, evaluator.device_type)
+    for line in step_lines(step):
+        print(line)
     print(verdict(peak, capacity))
     host_side = host_verdict(outcome, host, cfg.train.host_reserve_gib)
     for line in host_lines(host_side) + host_check(outcome):
@@ -223,6 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                      "pinned_per_node_bytes": host_side.per_node,
                      "pool_activation_bytes": host_side.activations,
                      "reserve_bytes": host_side.reserve, "usable_bytes": host_side.usable},
+            "step_seconds": step.step_s, "tokens_per_s_per_node": step.tokens_per_s_per_node,
+            "step_time": step.as_dict(),
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
             **summary(outcome),
             "blocks": block_rows(outcome),
