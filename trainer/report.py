@@ -162,12 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from trainer.preflight.plot import plot_plan
     from trainer.preflight.timeline import picture_line
     from checkpointing.planner.policies import BudgetError
-    from trainer.preflight.auto_plan import auto_rows, auto_table
+    from trainer.preflight.auto_plan import auto_table
     from trainer.preflight.scenario import Evaluator, Scenario, device_type_of
-    from trainer.preflight.tables import host_check
-    from trainer.preflight.host_memory import host_lines, host_verdict, reserve_bytes
-    from trainer.preflight.step_report import outcome_step_time
-    from checkpointing.planner.step_time import step_lines
+    from trainer.preflight.host_memory import reserve_bytes
+    from trainer.preflight.verdicts import verdicts
 
     # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary),
     # unless the run is for the CPU (train.device=cpu).
@@ -203,33 +201,35 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if head_note is not None:
         print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
-    step = outcome_step_time(outcome, args.tflops, evaluator.device_type)
-    for line in step_lines(step):
-        print(line)
-    print(verdict(peak, capacity))
-    host_side = host_verdict(outcome, host, cfg.train.host_reserve_gib)
-    for line in host_lines(host_side) + host_check(outcome):
-        print(line)
-    device_fits = None if capacity is None else peak <= capacity
-    fits = (None if device_fits is None and host_side.fits is None
-            else device_fits is not False and host_side.fits is not False)
+    judged = verdicts(outcome, capacity, host, args.tflops, evaluator.device_type)
+    print("\n".join([*judged.step_lines, verdict(peak, capacity), *judged.host_lines]))
     advice = []
     if capacity is not None and peak > capacity:
         advice = suggest(evaluator, scenario, capacity)
         print(advice_lines(advice))
     out = output_dir(args, cfg)
     os.makedirs(out, exist_ok=True)
-    data = {"command": argv, "capacity_bytes": capacity, "host_capacity_bytes": host,
+    data = plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, advice,
+                     judged.keys)
+    with open(os.path.join(out, "memory_plan.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
+    print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
+    if judged.fits is False:  # for job scripts: 3, documented (the module's docstring)
+        sys.exit(NO_FIT_EXIT)
+
+
+def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, advice,
+              verdict_keys: dict) -> dict:
+    """memory_plan.json's contents."""
+    from trainer.preflight.auto_plan import auto_rows
+
+    peak = outcome.estimate.peak.total
+    return {"command": argv, "capacity_bytes": capacity, "host_capacity_bytes": host,
             "longest": None if tried is None else {
                 "seq_len": outcome.scenario.cfg.data.seq_len,
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
-            "fits": fits, "device_fits": device_fits, "host_fits": host_side.fits,
-            "host": {"pinned_per_rank_bytes": host_side.per_rank,
-                     "pinned_per_node_bytes": host_side.per_node,
-                     "pool_activation_bytes": host_side.activations,
-                     "reserve_bytes": host_side.reserve, "usable_bytes": host_side.usable},
-            "step_seconds": step.step_s, "tokens_per_s_per_node": step.tokens_per_s_per_node,
-            "step_time": step.as_dict(),
+            **verdict_keys,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
             **summary(outcome),
             "blocks": block_rows(outcome),
@@ -239,12 +239,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
                 "sequence": decision.sequence, "tiles": decision.tiles,
                 "predicted_step_s": decision.step_s, "candidates": auto_rows(decision)}}
-    with open(os.path.join(out, "memory_plan.json"), "w") as f:
-        json.dump(data, f, indent=1)
-    plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
-    print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
-    if fits is False:  # for job scripts: 3, documented (the module's docstring)
-        sys.exit(NO_FIT_EXIT)
 
 
 def longest_line(outcome, tried) -> str:
