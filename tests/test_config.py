@@ -102,6 +102,7 @@ def test_config_keys_are_frozen() -> None:
         "train.cpu_heap",
         "train.dist_timeout_s",
         "train.stop_at_step", "train.memory_gib", "train.memory_reserve_gib",
+        "train.host_reserve_gib",
         "sharding.mode", "sharding.replicate", "sharding.reshard_after_forward",
         "sharding.param_dtype", "sharding.reduce_dtype", "sharding.cpu_offload", "sharding.sequence",
         "checkpointing.policy", "checkpointing.every", "checkpointing.save_ops",

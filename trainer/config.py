@@ -184,6 +184,10 @@ class TrainConfig:
     # Left out of a CUDA device's total when memory_gib is null: the CUDA context, NCCL buffers
     # and the allocator's fragmentation, which the memory model does not count.
     memory_reserve_gib: float = 4.0
+    # Left out of each node's host memory for what no model here counts (the OS, a process per
+    # rank, page cache, checkpoint staging) when pinned memory is judged (trainer.report
+    # --host-memory-gib, and the trainer at start). null: 10% of the node.
+    host_reserve_gib: Optional[float] = None
     eval_every: int = 50
     # Also evaluate before the first step of a fresh run (a baseline val_loss at step 0). Off by
     # default: it is eval_batches forwards more before training starts, on every fresh start.

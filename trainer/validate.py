@@ -117,6 +117,8 @@ def _check_auto(t: TrainConfig, policy: str, live_bytes_step: Optional[int]) -> 
             f"must be null or > 0 GiB, got {t.memory_gib}")
     require(t.memory_reserve_gib >= 0, "train.memory_reserve_gib",
             f"must be >= 0 GiB, got {t.memory_reserve_gib}")
+    require(t.host_reserve_gib is None or t.host_reserve_gib >= 0, "train.host_reserve_gib",
+            f"must be null or >= 0 GiB, got {t.host_reserve_gib}")
     fitting = auto_batch or policy == "auto"
     if fitting and t.memory_gib is None:
         what = ("checkpointing=auto" if policy == "auto"

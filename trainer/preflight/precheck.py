@@ -48,6 +48,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
         _sequence(cfg, layout)
         if layout is not None:
             _memory(cfg, layout, gpus_per_node)
+            _host(cfg, layout, gpus_per_node)
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -83,6 +84,20 @@ def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
     smallest = at_micro_batch(scenario, least)
     decide(smallest.cfg, smallest, evaluator, int(cfg.train.memory_gib * GIB),
            flop_timing(evaluator))
+
+
+def _host(cfg: Config, layout, gpus_per_node: int) -> None:
+    """A plan that pins more host memory per node than the node has (less
+    train.host_reserve_gib): one line before training (trainer/preflight/host_memory.py)."""
+    if cfg.offload.target != "cpu" and not cfg.sharding.cpu_offload:
+        return
+    import torch
+
+    from trainer.preflight.host_memory import check_node
+
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto"
+                                          and torch.cuda.is_available())
+    check_node(cfg, layout, gpus_per_node, "cuda" if cuda else "cpu")
 
 
 def _blocks(cfg: Config) -> None:

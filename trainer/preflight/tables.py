@@ -139,17 +139,11 @@ def sequence_text(sc, tokens: int) -> str:
     return text + (f", {tiles} sequence tiles" if tiles > 1 else "")
 
 
-def host_check(outcome, host_capacity: Optional[int]) -> list[str]:
-    """Lines on host memory: per node against --host-memory-gib, and the pinned pool
-    (offload.max_host_bytes) against what one rank offloads."""
+def host_check(outcome) -> list[str]:
+    """The pinned pool (offload.max_host_bytes) against what one rank offloads (the host
+    verdict itself is trainer/preflight/host_memory.py's)."""
     est, sc = outcome.estimate, outcome.scenario
     lines = []
-    per_node = (est.host + est.host_activations) * sc.gpus_per_node
-    if host_capacity is not None and per_node:
-        lines.append(f"host memory fits: {per_node / GIB:.2f} of {host_capacity / GIB:.2f} GiB "
-                     "per node" if per_node <= host_capacity else
-                     f"host memory does NOT fit: {per_node / GIB:.2f} GiB per node needed, "
-                     f"--host-memory-gib {host_capacity / GIB:.2f}")
     pool = sc.cfg.offload.max_host_bytes
     if est.host_activations > pool:
         lines.append(f"offload.max_host_bytes: the pinned pool ({pool / GIB:.2f} GiB) holds less "
@@ -157,12 +151,6 @@ def host_check(outcome, host_capacity: Optional[int]) -> list[str]:
                      f"(what does not fit stays on the GPU); set offload.max_host_bytes="
                      f"{-(-est.host_activations // GIB) * GIB} or more")
     return lines
-
-
-def host_fits(outcome, host_capacity: Optional[int]) -> bool:
-    est, sc = outcome.estimate, outcome.scenario
-    per_node = (est.host + est.host_activations) * sc.gpus_per_node
-    return host_capacity is None or per_node <= host_capacity
 
 
 def not_modeled(cfg) -> list[str]:
