@@ -191,6 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
               "its device); candidates:\n" + auto_table(decision) + "\n")
     print(table(outcome, args.tflops))
+    print(attention_line(outcome, evaluator))
     if head_note is not None:
         print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
@@ -209,6 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
             "fits": None if capacity is None else peak <= capacity,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
+            "attention_backend": outcome.profile.attention_backend or
+            evaluator.attention(scenario.cfg),
+            "attention_workspace_bytes": outcome.profile.attention_workspace_bytes,
             **summary(outcome),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
@@ -221,6 +225,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
     print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
+
+
+def attention_line(outcome, evaluator) -> str:
+    """'attention: <backend> (<why>); backward workspace ... per block, counted in the peak'."""
+    from trainer.models.attention_backend import resolve
+
+    backend, why = resolve(outcome.scenario.cfg, evaluator.device_type)
+    workspace = outcome.profile.attention_workspace_bytes
+    counted = (f"backward workspace {workspace / GIB:.2f} GiB at each block's attention, counted "
+               "in the peak" if workspace else "no workspace beyond its inputs and gradients")
+    return f"attention: {backend} ({why}); {counted}"
 
 
 def longest_line(outcome, tried) -> str:

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.head import SeeInsideHead
+from checkpointing.planner.attention_workspace import workspace_rule
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
 from checkpointing.meter import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
@@ -52,20 +53,22 @@ class FusedAttentionOnMeta(TorchFunctionMode):
     probabilities and the dropout mask kept); without dropout the CPU runs a flash kernel too.
     """
 
-    def __init__(self, like_cpu: bool = False) -> None:
+    def __init__(self, like_cpu: bool = False, attention: Optional[str] = None) -> None:
         super().__init__()
         self.like_cpu = like_cpu
+        self.math = attention == "math"  # model.attention=math on a GPU: T x T kept, as meta
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention and not self.math:
             fused = _fused_attention(*args, like_cpu=self.like_cpu, **kwargs)
             if fused is not None:
                 return fused
         return func(*args, **kwargs)
 
 
-def fused_forward(forward: Callable, like_cpu: bool = False) -> Callable:
+def fused_forward(forward: Callable, like_cpu: bool = False,
+                  attention: Optional[str] = None) -> Callable:
     """`forward` under FusedAttentionOnMeta wherever it runs, recompute in backward included.
 
     A mode entered around `backward()` would not do: the mode is off while it handles the
@@ -73,7 +76,7 @@ def fused_forward(forward: Callable, like_cpu: bool = False) -> Callable:
     """
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with FusedAttentionOnMeta(like_cpu):
+        with FusedAttentionOnMeta(like_cpu, attention):
             return forward(*args, **kwargs)
     return run
 
@@ -106,11 +109,15 @@ class _LiveBytes(TorchDispatchMode):
     A storage counts from the op that allocates it until its last reference goes (a weakref
     finalizer; storages keep one Python object for their whole life). Outputs that alias an input
     (views, in-place and out= ops) allocate nothing and are not counted. Meta storages are never
-    resized, so each size is read once.
+    resized, so each size is read once. `workspace`: (op, args) -> bytes the GPU kernel standing
+    behind that op allocates while it runs (attention_workspace.workspace_rule), counted at its
+    peak and in `workspace_peak`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, workspace: Optional[Callable[[Any, tuple], int]] = None) -> None:
         super().__init__()
+        self.workspace = workspace
+        self.workspace_peak = 0
         self.current = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}
@@ -139,7 +146,9 @@ class _LiveBytes(TorchDispatchMode):
                     self._sizes[key] = storage.nbytes()
                     self.current += self._sizes[key]
                     weakref.finalize(storage, self._release, key)
-        self.peak = max(self.peak, self.current)
+        extra = self.workspace(func, args) if self.workspace is not None else 0
+        self.workspace_peak = max(self.workspace_peak, extra)
+        self.peak = max(self.peak, self.current + extra)
         return out
 
     def _release(self, key: int) -> None:
@@ -163,6 +172,7 @@ class BlockMeasure:
     # Forward FLOPs of its sequence-tiled modules (checkpointing/tiles.py): their backward
     # recomputes them once more, tile by tile, whatever the block's own recompute option.
     tile_flops: int = 0
+    workspace_bytes: int = 0  # the GPU attention kernel's backward workspace (in peak_bytes)
 
     def small_bytes(self, option: str, min_bytes: int) -> int:
         """What stays on the device when `option`'s saved storages are offloaded."""
@@ -187,6 +197,8 @@ class MetaProfile:
     # Sequence parallelism: bytes one rank sends per block forward in Ulysses' all-to-alls
     # (the meta exchange the caller wrapped the model's attention with); 0 without.
     sent_bytes_per_block: int = 0
+    attention_backend: Optional[str] = None  # the GPU kernel measured for (None: CPU's)
+    attention_workspace_bytes: int = 0  # its backward workspace, the largest of one block
 
     @property
     def before_blocks_bytes(self) -> int:
@@ -220,17 +232,19 @@ def _distinct_bytes(tree: Any) -> int:
 
 
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequence,
-                  save_op_names: Sequence[str], like_cpu: bool = False) -> BlockMeasure:
-    """Saved and peak bytes per option, and FLOPs, of one block on meta."""
+                  save_op_names: Sequence[str], like_cpu: bool = False,
+                  attention: Optional[str] = None) -> BlockMeasure:
+    """Saved and peak bytes per option, and FLOPs, of one block on meta; `attention`: the CUDA
+    backend whose backward workspace counts (attention_workspace.py; None counts none)."""
     args, kwargs = tree_map(_detached, (args, kwargs))
     input_bytes = _distinct_bytes((args, kwargs))
     saved, peak, sizes = {}, {}, {}
     for option in OPTIONS:
         candidate = copy.copy(block)  # shares the parameters, gets its own forward to wrap
-        candidate.forward = fused_forward(candidate.forward, like_cpu)
+        candidate.forward = fused_forward(candidate.forward, like_cpu, attention)
         meter = SavedBytesMeter()
         checkpoint_block(candidate, option, save_ops, meter)
-        live = LiveBytes()
+        live = LiveBytes(workspace_rule(attention))
         with live:
             with meter.measure():
                 out = candidate(*args, **kwargs)
@@ -254,7 +268,8 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequenc
     recompute = {"none": 0, "full": forward_flops,
                  "selective": max(0, forward_flops - saved_op_flops)}
     return BlockMeasure(saved_bytes=saved, peak_bytes=peak, forward_flops=forward_flops,
-                        recompute_flops=recompute, storage_sizes=sizes, tile_flops=tile_flops)
+                        recompute_flops=recompute, storage_sizes=sizes, tile_flops=tile_flops,
+                        workspace_bytes=live.workspace_peak)
 
 
 def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: Sequence[str],
@@ -334,11 +349,14 @@ def measure_head(model: nn.Module, blocks: Sequence[nn.Module],
 
 def profile_on_meta(model: nn.Module, block_names: Sequence[str], blocks: Sequence[nn.Module],
                     run_forward: Callable[[nn.Module], torch.Tensor], save_ops: Sequence,
-                    save_op_names: Sequence[str], like_cpu: bool = False) -> MetaProfile:
+                    save_op_names: Sequence[str], like_cpu: bool = False,
+                    attention: Optional[str] = None) -> MetaProfile:
     """Everything the memory model needs about activations, from meta runs only.
 
-    like_cpu: measure what a CPU run keeps (see FusedAttentionOnMeta); else a GPU's kernels."""
-    with FusedAttentionOnMeta(like_cpu):
+    like_cpu: measure what a CPU run keeps (see FusedAttentionOnMeta); else a GPU's kernels.
+    attention: the GPU's SDPA backend (model.attention resolved), whose workspace counts."""
+    attention = None if like_cpu else attention
+    with FusedAttentionOnMeta(like_cpu, attention):
         trace = trace_on_meta(model, blocks, run_forward)
     head = measure_head(model, blocks, run_forward, like_cpu)
     cache: dict[tuple, BlockMeasure] = {}
@@ -346,10 +364,13 @@ def profile_on_meta(model: nn.Module, block_names: Sequence[str], blocks: Sequen
     for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
         key = _signature(block, args, kwargs)
         if key not in cache:
-            cache[key] = measure_block(block, args, kwargs, save_ops, save_op_names, like_cpu)
+            cache[key] = measure_block(block, args, kwargs, save_ops, save_op_names, like_cpu,
+                                       attention)
         measures.append(cache[key])
     return MetaProfile(block_names=tuple(block_names), blocks=tuple(measures),
-                       rest_bytes=trace.rest_saved_bytes, head=head)
+                       rest_bytes=trace.rest_saved_bytes, head=head, attention_backend=attention,
+                       attention_workspace_bytes=max((m.workspace_bytes for m in measures),
+                                                     default=0))
 
 
 def cast_like_fsdp(model: nn.Module, blocks: Sequence[nn.Module], dtype: torch.dtype) -> list:
