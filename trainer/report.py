@@ -190,8 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"auto: micro-batch {decision.micro_batch} (grad_accum {decision.grad_accum}), "
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
               "its device); candidates:\n" + auto_table(decision) + "\n")
-    print(table(outcome, args.tflops))
-    print(attention_line(outcome, evaluator))
+    print(table(outcome, args.tflops) + "\n" + attention_line(outcome, evaluator))
     if head_note is not None:
         print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
@@ -210,10 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
             "fits": None if capacity is None else peak <= capacity,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
-            "attention_backend": outcome.profile.attention_backend or
-            evaluator.attention(scenario.cfg),
-            "attention_workspace_bytes": outcome.profile.attention_workspace_bytes,
-            **summary(outcome),
+            **summary(outcome), **attention_keys(outcome, evaluator),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
                             for s in advice],
@@ -225,6 +221,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
     print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
+
+
+def attention_keys(outcome, evaluator) -> dict:
+    """memory_plan.json's attention_backend (the kernel counted) and attention_workspace_bytes
+    (its backward workspace at one block's attention, already inside the peak)."""
+    return {"attention_backend": evaluator.attention(outcome.scenario.cfg),
+            "attention_workspace_bytes": outcome.profile.attention_workspace_bytes}
 
 
 def attention_line(outcome, evaluator) -> str:
