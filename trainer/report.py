@@ -226,7 +226,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def attention_keys(outcome, evaluator) -> dict:
     """memory_plan.json's attention_backend (the kernel counted) and attention_workspace_bytes
     (its backward workspace at one block's attention, already inside the peak)."""
-    return {"attention_backend": evaluator.attention(outcome.scenario.cfg),
+    from trainer.models.attention_backend import resolve
+
+    return {"attention_backend": resolve(outcome.scenario.cfg, evaluator.device_type)[0],
             "attention_workspace_bytes": outcome.profile.attention_workspace_bytes}
 
 

@@ -156,10 +156,14 @@ class Evaluator:
     """Predicts scenarios, tracing each distinct activation shape on meta only once."""
 
     def __init__(self, tflops: float, optimizer_foreach: bool = True,
-                 device_type: str = "cuda") -> None:
+                 device_type: Optional[str] = None) -> None:
         self.seconds_per_flop = 1.0 / (tflops * 1e12)
         self.optimizer_foreach = optimizer_foreach
-        self.device_type = device_type  # cpu: attention as the CPU runs it (metatrace.py)
+        # cpu: attention as the CPU runs it (metatrace.py); cuda: a GPU's kernels, their
+        # backward workspace included (attention_workspace.py); None: a GPU's kernels' own
+        # bytes without it, which a CPU step's flash kernel keeps too (the CPU comparisons).
+        self.device_type = device_type or "cuda"
+        self.gpu_workspace = device_type == "cuda"
         self._profiles: dict[tuple, tuple[MetaProfile, list[ParamGroup], torch.dtype]] = {}
 
     def profile(self, cfg: Config, degree: int = 1
@@ -201,9 +205,10 @@ class Evaluator:
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]
 
-    def attention(self, cfg: Config) -> str:
-        """The attention kernel this prediction counts (model.attention, auto predicted)."""
-        return resolve_attention(cfg, self.device_type)[0]
+    def attention(self, cfg: Config) -> Optional[str]:
+        """The GPU attention kernel whose workspace this prediction counts (model.attention,
+        auto predicted), or None."""
+        return resolve_attention(cfg, "cuda")[0] if self.gpu_workspace else None
 
     def setup(self, scenario: Scenario) -> Setup:
         return setup_of(scenario, self.profile(scenario.cfg, scenario.layout.degree)[2],
