@@ -36,12 +36,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.head import SeeInsideHead
+from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
 from checkpointing.planner.attention_workspace import workspace_rule
+from checkpointing.planner.meta_attention import fused_on_meta
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
 from checkpointing.meter import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
-
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class FusedAttentionOnMeta(TorchFunctionMode):
@@ -61,7 +61,7 @@ class FusedAttentionOnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and not self.math:
-            fused = _fused_attention(*args, like_cpu=self.like_cpu, **kwargs)
+            fused = fused_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
             if fused is not None:
                 return fused
         return func(*args, **kwargs)
@@ -79,20 +79,6 @@ def fused_forward(forward: Callable, like_cpu: bool = False,
         with FusedAttentionOnMeta(like_cpu, attention):
             return forward(*args, **kwargs)
     return run
-
-
-def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                     is_causal: bool = False, scale: Optional[float] = None,
-                     enable_gqa: bool = False, like_cpu: bool = False) -> Optional[torch.Tensor]:
-    if query.device.type != "meta" or attn_mask is not None:
-        return None
-    if like_cpu and dropout_p > 0:
-        return None  # the CPU's math path, which meta takes as well
-    if key.shape[-3] != query.shape[-3] and not enable_gqa:
-        return None  # let the original report the shape mismatch
-    output, _ = _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
-    return output
 
 
 def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
