@@ -13,8 +13,7 @@ its recompute. The cost: one more forward of the tiles in backward, as for seque
 
 Tile i of queries [s, e) attends keys [0, e): the prefix its causal mask allows, with the mask
 aligned to the bottom right (query s + j sees keys up to s + j). The caller's `tile_fn` does the
-attention itself (torch.nn.attention.bias.causal_lower_right, which FlashAttention-2 and the
-memory-efficient kernel run natively on a GPU).
+attention itself, through `lower_right_attention` for unpacked rows.
 """
 
 from __future__ import annotations
@@ -22,10 +21,47 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 
 from checkpointing.tiles import _accumulate, _aligned, _restored_rng, _rng_state, tile_sizes
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of [B, heads, t, d] queries, the last t of k's e tokens, under a causal mask
+    aligned to the bottom right (query j sees keys up to e - t + j).
+
+    On a GPU with 16-bit inputs, FlashAttention-2's own causal mask, which is bottom-right
+    aligned when t < e (sdp_utils.cpp refuses it for is_causal there only to keep SDPA's
+    top-left meaning). On the CPU, its flash kernel with an additive mask of t + e - 1 values
+    (`cpu_mask`): the queries run in reverse order, so that whether query row r may see key j
+    depends on r + j only, which a [t, e] view with strides (1, 1) of one row expresses. A GPU
+    in float32 runs SDPA (the memory-efficient kernel) with a boolean [t, e] mask.
+    Overridable (a TorchFunctionMode sees the call), so the meta trace stands it in for the
+    kernel it predicts (checkpointing/planner/meta_attention.py)."""
+    if has_torch_function((q, k, v)):
+        return handle_torch_function(lower_right_attention, (q, k, v), q, k, v,
+                                     enable_gqa=enable_gqa)
+    tokens, prefix = q.shape[-2], k.shape[-2]
+    if q.device.type == "cpu":
+        flipped, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.flip(-2), k, v, 0.0, False, attn_mask=cpu_mask(tokens, prefix, q))
+        return flipped.flip(-2)
+    if q.dtype in _LOW_PRECISION and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled():
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    allowed = torch.ones(tokens, prefix, dtype=torch.bool, device=q.device).tril(prefix - tokens)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=enable_gqa)
+
+
+def cpu_mask(tokens: int, prefix: int, like: torch.Tensor) -> torch.Tensor:
+    """The [tokens, prefix] additive mask of reversed query rows: row r (query tokens - 1 - r)
+    sees keys j with r + j < prefix. One row of tokens + prefix - 1 values, viewed."""
+    row = torch.full((tokens + prefix - 1,), float("-inf"), dtype=like.dtype, device=like.device)
+    row[:prefix] = 0
+    return row.as_strided((tokens, prefix), (1, 1))
 
 
 @torch.compiler.disable  # as sequence tiles: the recompute must draw the forward's masks

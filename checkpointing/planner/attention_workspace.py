@@ -163,6 +163,16 @@ def backward_workspace_bytes(backend: str, batch: int, heads: int, kv_heads: int
     return 0
 
 
+def tile_backend(backend: str, q_len: int, k_len: int) -> str:
+    """The kernel of a call: a query tile (fewer queries than keys, checkpointing/
+    query_tiles.py) runs torch's bottom-right causal bias, which dispatches to FlashAttention-2
+    (the memory-efficient kernel when that is the backend chosen), never cuDNN
+    (torch/nn/attention/bias.py, CausalBias._dispatch)."""
+    if q_len == k_len:
+        return backend
+    return "efficient" if backend == "efficient" else "flash"
+
+
 def workspace_rule(backend: Optional[str]) -> Optional[Callable[[Any, tuple], int]]:
     """For metatrace.LiveBytes: (op, args) -> workspace bytes alive during that op. The CPU
     flash kernel's backward stands for the CUDA kernel's; every other op adds nothing. None for
@@ -179,7 +189,7 @@ def workspace_rule(backend: Optional[str]) -> Optional[Callable[[Any, tuple], in
         query, key = args[1], args[2]  # (grad_out, query, key, value, out, logsumexp, ...)
         batch, heads, q_len, head_dim = query.shape
         dtype = str(query.dtype).removeprefix("torch.")
-        return backward_workspace_bytes(backend, batch, heads, key.shape[1], q_len,
-                                        key.shape[2], head_dim, dtype)
+        return backward_workspace_bytes(tile_backend(backend, q_len, key.shape[2]), batch, heads,
+                                        key.shape[1], q_len, key.shape[2], head_dim, dtype)
 
     return rule

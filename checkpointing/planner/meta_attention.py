@@ -3,11 +3,10 @@ the CPU flash kernel, whose meta kernel and autograd formula keep what the fused
 (q, k, v, the output and a [B, H, T] fp32 log-sum-exp) and whose grouped-query k and v stay as
 they are (metatrace.FusedAttentionOnMeta calls `fused_on_meta`).
 
-Query tiles (checkpointing/query_tiles.py) call attention with a bottom-right causal bias
-(torch.nn.attention.bias.causal_lower_right): on a GPU, FlashAttention-2 runs it as its own
-causal mask, so it stands here as a causal flash call of the tile's shapes (a [t, e] query tile
-against its key prefix). The CPU materialises that bias as an additive float mask, which its
-flash kernel keeps for backward: like_cpu passes the same mask, so its bytes are counted.
+Query tiles call `checkpointing.query_tiles.lower_right_attention` (a [t, e] query tile against
+its key prefix, causal from the bottom right): on a GPU FlashAttention-2 runs it with its own
+causal mask, so it stands here as a causal flash call of the tile's shapes; like_cpu runs what
+the CPU runs (reversed queries and a one-row mask), so its copies are counted.
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
+
+from checkpointing.query_tiles import cpu_mask
 
 FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -33,13 +33,16 @@ def fused_on_meta(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return None  # the CPU's math path, which meta takes as well
     if key.shape[-3] != query.shape[-3] and not enable_gqa:
         return None  # let the original report the shape mismatch
-    mask = None
-    if isinstance(attn_mask, CausalBias) and attn_mask.variant == CausalVariant.LOWER_RIGHT:
-        is_causal = not like_cpu
-        if like_cpu:  # as sdpa converts the CPU's boolean mask: additive, the query's dtype
-            allowed = attn_mask._materialize(query.device)
-            mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-    elif attn_mask is not None:
+    if attn_mask is not None:
         return None
-    output, _ = FLASH_CPU(query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)
+    output, _ = FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
     return output
+
+
+def lower_right_on_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        enable_gqa: bool = False, like_cpu: bool = False) -> torch.Tensor:
+    """The stand-in for lower_right_attention on meta (see the module docstring)."""
+    if not like_cpu:
+        return FLASH_CPU(q, k, v, 0.0, True)[0]
+    mask = cpu_mask(q.shape[-2], k.shape[-2], q)  # the CPU's: reversed rows, one row of mask
+    return FLASH_CPU(q.flip(-2), k, v, 0.0, False, attn_mask=mask)[0].flip(-2)

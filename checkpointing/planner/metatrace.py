@@ -38,7 +38,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from checkpointing.head import SeeInsideHead
 from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
 from checkpointing.planner.attention_workspace import workspace_rule
-from checkpointing.planner.meta_attention import fused_on_meta
+from checkpointing.planner.meta_attention import fused_on_meta, lower_right_on_meta
+from checkpointing.query_tiles import lower_right_attention
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
 from checkpointing.meter import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
@@ -64,6 +65,8 @@ class FusedAttentionOnMeta(TorchFunctionMode):
             fused = fused_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
             if fused is not None:
                 return fused
+        if func is lower_right_attention and args[0].device.type == "meta":
+            return lower_right_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -24,9 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
-from checkpointing.query_tiles import query_tiled
+from checkpointing.query_tiles import lower_right_attention, query_tiled
 from checkpointing.tiles import mark_tiled, tiled
 from trainer.models.rope import Rope, apply_rope
 
@@ -41,10 +40,12 @@ class QueryTiles(nn.Module):
                 mask_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, tokens, _ = q_tile.shape
         q = _rotated(attention, "q_norm", q_tile, attention.n_heads, (cos, sin)).transpose(1, 2)
-        prefix = keys.shape[2]
-        bias = causal_lower_right(tokens, prefix) if mask_rows is None else mask_rows[..., :prefix]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias,
-                                             enable_gqa=attention.n_kv_heads != attention.n_heads)
+        gqa = attention.n_kv_heads != attention.n_heads
+        if mask_rows is None:
+            out = lower_right_attention(q, keys, values, enable_gqa=gqa)
+        else:  # packed rows: the document mask's rows of this tile, over the key prefix
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa,
+                                                 attn_mask=mask_rows[..., :keys.shape[2]])
         return attention.wo(out.transpose(1, 2).reshape(batch, tokens, -1))
 
 
