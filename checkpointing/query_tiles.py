@@ -18,11 +18,13 @@ attention itself, through `lower_right_attention` for unpacked rows.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import handle_torch_function, has_torch_function
+from torch.overrides import (_get_current_function_mode_stack, handle_torch_function,
+                             has_torch_function)
 
 from checkpointing.tiles import _accumulate, _aligned, _restored_rng, _rng_state, tile_sizes
 
@@ -95,6 +97,7 @@ class _QueryTiled(torch.autograd.Function):
             del piece
             offset = end
         ctx.fn, ctx.sizes, ctx.aligned, ctx.states = fn, sizes, aligned, states
+        ctx.modes = _get_current_function_mode_stack()
         ctx.params = params  # held, not saved: FSDP2 refills these tensors before backward
         ctx.save_for_backward(q_src, k, v)
         return out
@@ -115,7 +118,7 @@ class _QueryTiled(torch.autograd.Function):
             leaves = [q_src.narrow(1, offset, size).detach().requires_grad_(want[0]),
                       k.narrow(2, 0, end).detach().requires_grad_(want[1]),
                       v.narrow(2, 0, end).detach().requires_grad_(want[2])]
-            with torch.enable_grad(), _restored_rng(state, q_src.device):
+            with _entered(ctx.modes), torch.enable_grad(), _restored_rng(state, q_src.device):
                 piece = ctx.fn(*leaves, *_aligned(ctx.aligned, offset, size))
             inputs = [leaf for leaf, need in zip(leaves, want) if need] + params
             grads = list(torch.autograd.grad(piece, inputs, grad_out.narrow(1, offset, size),
@@ -139,6 +142,17 @@ class _QueryTiled(torch.autograd.Function):
         for i, total in zip(wanted, sums):
             param_grads[i] = None if total is None else total.to(ctx.params[i].dtype)
         return (None, None, None, grad_q, _cast(grad_k, k), _cast(grad_v, v), *param_grads)
+
+
+@contextlib.contextmanager
+def _entered(modes: list) -> Iterator[None]:
+    """The torch-function modes the forward ran under, for the recompute: the meta trace's
+    stand-in for the GPU's attention (metatrace.FusedAttentionOnMeta) is one, which a mode
+    entered around backward() could not be (it is off while it handles that call)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
 
 
 def _zeros_for(t: torch.Tensor) -> torch.Tensor:
