@@ -12,11 +12,9 @@ without a byte of real memory. Three kinds of numbers come out:
 * forward FLOPs per block, and how many of them each option recomputes.
 
 Attention: on meta (and on CPU with dropout) `scaled_dot_product_attention` takes the math path,
-which keeps T x T attention probabilities. No GPU kernel does that: flash, cuDNN and efficient
-attention keep q, k, v, the output and a B x H x T fp32 log-sum-exp. `FusedAttentionOnMeta`
-therefore sends meta calls to `_scaled_dot_product_flash_attention_for_cpu`, whose meta kernel and
-autograd formula keep exactly that. It takes k and v with fewer heads than q (grouped-query
-attention) as they are, as the CUDA flash kernel does, so nothing is expanded or over-counted.
+which keeps T x T probabilities; no GPU kernel does. `FusedAttentionOnMeta` sends meta calls to the
+CPU flash kernel, which keeps what flash, cuDNN and efficient attention keep (meta_attention.py);
+the GPU kernel's backward workspace is added at its op (attention_workspace.py).
 """
 
 from __future__ import annotations
@@ -207,11 +205,25 @@ def _clear_grads(module: nn.Module) -> None:
         param.grad = None
 
 
+class _Arriving(torch.autograd.Function):
+    """The gradient arriving from the next block, made inside the measurement's backward and
+    owned by autograd alone, so it dies when the block has used it (after its residual sum), as
+    in a real backward; one held by the caller would count to the block's end."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.like = (x.shape, x.dtype, x.device)
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        shape, dtype, device = ctx.like
+        return torch.ones(shape, dtype=dtype, device=device)
+
+
 def _backward_from(out: Any) -> None:
     outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    # The gradient arriving from the next block is allocated inside the measurement, as it is
-    # alive while this block's backward runs.
-    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    torch.autograd.backward([_Arriving.apply(t) for t in outputs])
 
 
 def _distinct_bytes(tree: Any) -> int:
