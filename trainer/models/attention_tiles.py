@@ -7,8 +7,9 @@ no whole-sequence fp32 rotary copy, attention output or GPU dq accumulator exist
   model's dtype for every query tile's prefix ([B, kv_heads, T, head_dim], what a whole-sequence
   attention holds as well).
 - Queries: tile [s, e) is head-normed and rotated, attends keys [0, e) under a bottom-right
-  causal mask (packed rows: the rows of the document mask), and goes through `wo`; the result is
-  the block's attention output for those tokens.
+  causal mask (packed rows: the rows of the document mask), one KV head's group at a time with
+  grouped-query heads, and goes through `wo`; the result is the block's attention output for
+  those tokens.
 
 Whole attention instead (queries still rotated per tile, `wo` whole) where a query tile cannot
 stand for it: attention dropout (a tile draws other masks than the whole [T, T] dropout), Ulysses
@@ -42,11 +43,21 @@ class QueryTiles(nn.Module):
         q = _rotated(attention, "q_norm", q_tile, attention.n_heads, (cos, sin)).transpose(1, 2)
         gqa = attention.n_kv_heads != attention.n_heads
         if mask_rows is None:
-            out = lower_right_attention(q, keys, values, enable_gqa=gqa)
+            out = _by_key_head(q, keys, values) if gqa else lower_right_attention(q, keys, values)
         else:  # packed rows: the document mask's rows of this tile, over the key prefix
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa,
                                                  attn_mask=mask_rows[..., :keys.shape[2]])
         return attention.wo(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+def _by_key_head(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention one KV head (and its group of query heads) at a time: a GPU
+    flash backward expands dK and dV to the query heads of its call ([B, prefix, heads, d],
+    attention_workspace.py), so one group's call expands to its group only, 1/kv_heads of it."""
+    group = q.shape[1] // keys.shape[1]
+    return torch.cat([lower_right_attention(q[:, h * group:(h + 1) * group], keys[:, h:h + 1],
+                                            values[:, h:h + 1], enable_gqa=True)
+                      for h in range(keys.shape[1])], dim=1)
 
 
 def add_query_tiles(attention: nn.Module, num_tiles: int) -> None:
