@@ -113,6 +113,7 @@ def kernel_wrap(backend: str) -> Callable:
                 return attend(q, k, v, **options)
             with sdpa_kernel(chosen):
                 return attend(q, k, v, **options)
+        attend_with.exchanges_tokens = getattr(attend, "exchanges_tokens", False)
         return attend_with
 
     return wrap
