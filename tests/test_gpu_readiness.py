@@ -19,7 +19,7 @@ from trainer.loop import step_seconds
 from trainer.observe.metrics import peak_flops_of
 
 TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.ffn_hidden=64", "model.vocab_size=64", "data.seq_len=16", "train.micro_batch_size=2"]
+        "model.ffn_hidden=64", "model.vocab_size=256", "data.seq_len=16", "train.micro_batch_size=2"]
 
 
 def test_blocks_are_profiled_in_the_param_dtype(world_of_one, monkeypatch) -> None:

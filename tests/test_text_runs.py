@@ -45,7 +45,8 @@ def test_the_loss_does_not_depend_on_ranks_or_micro_batches(tmp_path, data) -> N
             assert runs[name][step] == pytest.approx(loss, rel=1e-6), (name, step)
     logged = [m for m in read_metrics(tmp_path / "one") if "loss" in m]
     counts = {m["supervised_tokens"] for m in logged}
-    assert len(counts) > 1 and all(0 < m["packing_efficiency"] < 1 for m in logged)
+    assert len(counts) > 1, counts
+    assert all(0 < m["packing_efficiency"] <= 1 for m in logged), [m["packing_efficiency"] for m in logged]
     # packing_efficiency: real tokens over capacity; supervised_fraction: learned of the real.
     window_tokens = 4 * 64  # micro-batch 4 x data.seq_len of base()
     for m in logged:

@@ -59,7 +59,8 @@ config groups (group=option; Hydra lists their options below) and any key=value:
 HELP = f"""\
 blocktrain: one plan per block (shard, recompute, offload) for models that do not fit as they
 are. python -m trainer [group=option ...] [key=value ...]; torchrun or python -m launch.run
---nproc-per-node N -m trainer ... for more processes; -m for a sweep; --cfg job prints the config.
+--nproc-per-node N -m trainer ... for more processes; -m for a sweep; --cfg job prints the config;
+--help prints this.
 
 {GROUPS}
 

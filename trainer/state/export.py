@@ -80,7 +80,8 @@ def export(folder: str, out: str) -> str:
     model_cfg, step = saved["config"]["model"], saved["progress"]["step"]
     family = family_of_saved(model_cfg)
     out = family.export(tensors, model_cfg, out, step, folder)
-    write_tokenizer(out, saved["config"]["data"], family, model_config(model_cfg))
+    if "data" in saved["config"]:  # older checkpoints and bare test states have none
+        write_tokenizer(out, saved["config"]["data"], family, model_config(model_cfg))
     return out
 
 
@@ -88,11 +89,11 @@ def write_tokenizer(out: str, data: Mapping, family: Family, m: ModelConfig) -> 
     """The run's tokenizer files (chat template included) and generation_config.json in `out`;
     the tokenizer's name, or None where the run does not say which made its ids (or read
     images)."""
+    name = tokenizer_of_run(data, family.own_tokenizer(m))
+    if name is None:  # an image model's export needs no transformers
+        return None
     from transformers import GenerationConfig
 
-    name = tokenizer_of_run(data, family.own_tokenizer(m))
-    if name is None:
-        return None
     tokenizer = load_run_tokenizer(name)
     tokenizer.save_pretrained(out)
     pretrained = m.path and os.path.exists(os.path.join(m.path, "generation_config.json"))
