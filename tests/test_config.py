@@ -85,6 +85,7 @@ def test_config_keys_are_frozen() -> None:
         "model.n_kv_heads", "model.head_dim", "model.vocab_size", "model.ffn_hidden", "model.max_seq_len",
         "model.norm_eps", "model.rope_theta", "model.dropout", "model.tie_embeddings",
         "model.block_pattern", "model.path", "model.hf_config", "model.attn_implementation",
+        "model.attention",
         "model.freeze", "model.image_size", "model.patch_size", "model.channels",
         "model.num_classes", "model.checkpoint_path", "model.timm_args",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",

@@ -38,6 +38,8 @@ from offload.engine import Offloader
 from sharding import fsdp
 from sharding.fsdp import DTYPES
 from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
+from trainer.models.attention_backend import apply_attention
+from trainer.models.attention_backend import resolve as resolve_attention
 from trainer.models.families import family_of
 from trainer.task import task_for
 from sharding.layout import Layout
@@ -231,7 +233,8 @@ def with_working_sets(cfg: Config, model: nn.Module, names: Sequence[str],
     inputs, targets = task.example(cfg.train.micro_batch_size)
     meta = profile_on_meta(model, names, blocks, lambda m: task.loss(m, inputs, targets),
                            resolve_ops(c.save_ops), list(c.save_ops),
-                           like_cpu=device.type == "cpu")
+                           like_cpu=device.type == "cpu",
+                           attention=resolve_attention(cfg, device.type)[0])
     return [replace(p, working_bytes=dict(m.peak_bytes)) for p, m in zip(profiles, meta.blocks)]
 
 
@@ -300,6 +303,8 @@ def build_model(cfg: Config, denv: DistEnv, layout: Layout, meter: SavedBytesMet
     if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
         log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "
                     "gradients and optimizer state already live in CPU memory; nothing to move")
+    # The kernel choice is the innermost wrap of attention; Ulysses' all-to-alls go around it.
+    apply_attention(cfg, model, denv.device, denv.is_main)
     mesh, group = sharding_mesh(layout, denv)
     if group is not None:  # the blocks' attention runs over the group's whole sequences
         family_of(cfg.model).sequence_parallel(model, group)

@@ -83,6 +83,9 @@ class ModelConfig:
     path: Optional[str] = None
     hf_config: Optional[Any] = None
     attn_implementation: str = "sdpa"
+    # The attention kernel (trainer/models/attention_backend.py): auto (torch's choice, predicted
+    # and counted by the planner), flash, cudnn, efficient or math (every unmasked call held to it).
+    attention: str = "auto"
     # Parameters to freeze (not trained, no optimizer state): globs over parameter names as the
     # model names them, e.g. ["hf.model.embed_tokens.*", "hf.model.layers.[0-5].*"].
     freeze: List[str] = field(default_factory=list)
@@ -374,6 +377,7 @@ CHOICES = {
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget", "auto",
                              "file", "compiler"),
     "offload.target": ("none", "cpu", "disk"),
+    "model.attention": ("auto", "flash", "cudnn", "efficient", "math"),
 }
 
 

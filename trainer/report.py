@@ -197,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"auto: micro-batch {decision.micro_batch} (grad_accum {decision.grad_accum}), "
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
               "its device); candidates:\n" + auto_table(decision) + "\n")
-    print(table(outcome, args.tflops))
+    print(table(outcome, args.tflops) + "\n" + attention_line(outcome, evaluator))
     if head_note is not None:
         print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
@@ -231,7 +231,7 @@ def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, a
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
             **verdict_keys,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
-            **summary(outcome),
+            **summary(outcome), **attention_keys(outcome, evaluator),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
                             for s in advice],
@@ -239,6 +239,26 @@ def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, a
                 "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
                 "sequence": decision.sequence, "tiles": decision.tiles,
                 "predicted_step_s": decision.step_s, "candidates": auto_rows(decision)}}
+
+
+def attention_keys(outcome, evaluator) -> dict:
+    """memory_plan.json's attention_backend (the kernel counted) and attention_workspace_bytes
+    (its backward workspace at one block's attention, already inside the peak)."""
+    from trainer.models.attention_backend import resolve
+
+    return {"attention_backend": resolve(outcome.scenario.cfg, evaluator.device_type)[0],
+            "attention_workspace_bytes": outcome.profile.attention_workspace_bytes}
+
+
+def attention_line(outcome, evaluator) -> str:
+    """'attention: <backend> (<why>); backward workspace ... per block, counted in the peak'."""
+    from trainer.models.attention_backend import resolve
+
+    backend, why = resolve(outcome.scenario.cfg, evaluator.device_type)
+    workspace = outcome.profile.attention_workspace_bytes
+    counted = (f"backward workspace {workspace / GIB:.2f} GiB at each block's attention, counted "
+               "in the peak" if workspace else "no workspace beyond its inputs and gradients")
+    return f"attention: {backend} ({why}); {counted}"
 
 
 def longest_line(outcome, tried) -> str:

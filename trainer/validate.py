@@ -10,6 +10,7 @@ from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Confi
                             ModelConfig, TrainConfig, check_writable, require)
 from trainer.data.base import ModelFacts
 from trainer.data.factory import source_of
+from trainer.models.attention_backend import check_attention
 from trainer.models.families import family_of
 from sharding.layout import Layout, LayoutError, make_layout
 
@@ -29,6 +30,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     _check_checkpointing(cfg.checkpointing, cfg.train.compile)
     _check_run_control(cfg)
     _check_model_and_data(cfg)
+    check_attention(cfg)
     layout = _layout(cfg, world_size, num_nodes)
     _check_sequence(cfg, layout)
     _check_tiles(cfg, layout.least_degree)
