@@ -53,8 +53,15 @@ def init_params(model: nn.Module, seed: int) -> None:
 
 
 def build_on_meta(cfg: ModelConfig) -> nn.Module:
-    """The model of `model.arch`, parameters on the meta device."""
-    return family_of(cfg).build_on_meta(cfg)
+    """The model of `model.arch`, parameters on the meta device; with model.lora, its adapters
+    too (PEFT, on meta: the blocks fully_shard gets hold the frozen base and the adapters)."""
+    model = family_of(cfg).build_on_meta(cfg)
+    if cfg.lora.on:
+        from trainer.models.lora import apply_lora
+
+        names, _ = find_model_blocks(model, cfg)
+        apply_lora(model, cfg.lora, names, getattr(model, "init_param", None) or default_init)
+    return model
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
@@ -123,7 +130,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, allocate: boo
         if id(param) in seen:  # tied weights are initialised once, under their first name
             continue
         seen.add(id(param))
-        clean = canonical_name(name)
+        # An adapted layer's base weight (PEFT's `base_layer`) is drawn as without adapters.
+        clean = canonical_name(name).replace(".base_layer.", ".")
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, clean))
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         init_fn(clean, full, generator)

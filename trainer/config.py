@@ -20,6 +20,8 @@ from hydra.core.config_store import ConfigStore
 # Selective checkpointing's default ops live beside the plan (checkpointing/plan.py, no torch),
 # so the config schema and the wrapper share one list without an upward import.
 from checkpointing.plan import DEFAULT_SAVE_OPS
+# model.lora lives in its own module (no torch either), beside the code that applies it.
+from trainer.models.lora_settings import LoraSettings
 
 
 class ConfigError(ValueError):
@@ -99,6 +101,7 @@ class ModelConfig:
     # checkpoint_path a local .safetensors/.pth file of pretrained weights (nothing downloaded).
     checkpoint_path: Optional[str] = None
     timm_args: Optional[Any] = None
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -370,6 +373,7 @@ CHOICES = {
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget", "auto",
                              "file", "compiler"),
     "offload.target": ("none", "cpu", "disk"),
+    "model.lora.quantize": ("none", "nf4"),
 }
 
 
