@@ -37,3 +37,13 @@ class LoraSettings:
         """What a checkpoint records and a resume must match (trainer/state/resume.py)."""
         return {"rank": self.rank, "alpha": float(self.alpha), "dropout": float(self.dropout),
                 "targets": list(self.targets), "quantize": self.quantize}
+
+
+def lora_changes(saved: Optional[dict], now: Optional[dict]) -> list[str]:
+    """`model.lora.<key> <saved> -> <now>` for each LoRA setting a resume would change (dicts
+    as dataclasses.asdict writes them; a checkpoint from before model.lora existed: off)."""
+    was, is_ = dict(LoraSettings().__dict__), dict(LoraSettings().__dict__)
+    was.update(saved or {})
+    is_.update(now or {})
+    return [f"model.lora.{key} {was[key]!r} -> {is_[key]!r}" for key in sorted(is_)
+            if was.get(key) != is_[key]]
