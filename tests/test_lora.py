@@ -113,3 +113,128 @@ def test_two_ranks_agree_with_one(monkeypatch) -> None:
             assert two[1][name] is None, name
         else:
             torch.testing.assert_close(two[1][name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+HF = ("model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 64, "
+      "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+      "num_key_value_heads: 2, max_position_embeddings: 128}")
+# A constant learning rate and clipping on: what the plain loop below does too.
+PEFT_RUN = ["model=hf", HF, "model.dropout=0", "model.lora.rank=8", "model.lora.alpha=16",
+            "model.lora.targets=[*q_proj,*v_proj,*down_proj]", "optim.lr=1e-2",
+            "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", "optim.grad_clip=1.0"]
+
+
+def _plain_peft_loop(state: dict, targets: list[str], cfg, steps: int) -> list[float]:
+    """What a PEFT user writes: AutoModelForCausalLM, get_peft_model, AdamW, labels=."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.models.hf import _hf_config
+
+    hf_config = _hf_config(cfg.model.hf_config, None)
+    hf_config._attn_implementation = "sdpa"
+    lora = cfg.model.lora
+    model = get_peft_model(AutoModelForCausalLM.from_config(hf_config), LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=[t.removeprefix("hf.") for t in targets]))
+    # The same starting values: the base weights and adapters our run drew.
+    model.base_model.model.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()})
+    trained = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay)
+    model.train()
+    losses = []
+    for step in range(steps):
+        loss = model(input_ids=batch(step), labels=batch(step)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_our_lora_loss_equals_a_plain_peft_loop(monkeypatch) -> None:
+    _one_rank(monkeypatch)
+    try:
+        cfg = config(*SMALL, *PEFT_RUN)
+        built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter())
+        model = built.model
+        state = {k: _full(v) for k, v in model.state_dict().items()}
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, total_steps=5)
+        ours = []
+        for step in range(5):
+            tokens = batch(step)
+            loss = lm_loss(model, tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            clip_grad_norm(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            ours.append(loss.item())
+        targets = model.lora_targets
+    finally:
+        shutdown()
+    assert len(targets) == 6  # 3 patterns x 2 layers
+    plain = _plain_peft_loop(state, targets, cfg, 5)
+    assert ours[-1] < ours[0]  # it learns (the loop is not a copy of one step)
+    for step, (a, b) in enumerate(zip(ours, plain)):
+        assert abs(a - b) <= 1e-6, (step, ours, plain)
+
+
+def _save(rank: int, world_size: int, root: str):
+    from trainer.state.checkpoint import Checkpointer
+
+    cfg = config(*SMALL, *NO_DROPOUT)
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter())
+    optimizer = build_optimizer(built.model, cfg.optim)
+    for step in range(2):
+        tokens = batch(step, rank)
+        lm_loss(built.model, tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    import dataclasses
+
+    Checkpointer(root, 2, False, rank, world_size, torch.device("cpu"),
+                 dataclasses.asdict(cfg.model)).save(
+        2, built.model, optimizer, {"progress": {"step": 2},
+                                    "config": {"model": dataclasses.asdict(cfg.model)}})
+    return _states(built.model, optimizer)
+
+
+def _states(model, optimizer):
+    model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
+    return ({k: v.clone() for k, v in model_state.items()},
+            {k: {n: torch.as_tensor(t).clone() for n, t in v.items()}
+             for k, v in optim_state["state"].items()})
+
+
+def _load(rank: int, world_size: int, root: str, overrides: list[str]):
+    import dataclasses
+
+    from trainer.state.checkpoint import Checkpointer
+
+    cfg = config(*SMALL, *NO_DROPOUT, *overrides)
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter())
+    optimizer = build_optimizer(built.model, cfg.optim)
+    Checkpointer(root, 2, False, rank, world_size, torch.device("cpu"),
+                 dataclasses.asdict(cfg.model)).load_latest(built.model, optimizer)
+    return _states(built.model, optimizer)
+
+
+def test_resume_on_another_world_size_is_bitwise_and_other_lora_settings_are_refused(
+        tmp_path) -> None:
+    saved = spawn(_save, 2, str(tmp_path))[0]
+    loaded = spawn(_load, 1, str(tmp_path), [])[0]
+    assert saved[0].keys() == loaded[0].keys() and saved[1].keys() == loaded[1].keys()
+    assert len(saved[1]) == 4 * 7 * 2  # optimizer state for the adapters alone (A, B x 28)
+    for key in saved[0]:
+        assert torch.equal(saved[0][key], loaded[0][key]), key
+    for key in saved[1]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(saved[1][key][name], loaded[1][key][name]), (key, name)
+    # Shapes fit, the adapters differ: a ConfigError naming the setting (the one line).
+    with pytest.raises(AssertionError, match=r"ConfigError: model\.lora\.alpha: 8\.0 -> 4\.0 "):
+        spawn(_load, 1, str(tmp_path), ["model.lora.alpha=4"])
