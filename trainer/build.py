@@ -64,6 +64,26 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
     return model
 
 
+def lora_base_dtype(cfg: Config) -> Optional[torch.dtype]:
+    """LoRA's frozen base is stored in sharding.param_dtype (no master copy: it never steps);
+    None where there is nothing to change (no LoRA, no mixed precision)."""
+    s = cfg.sharding
+    if not cfg.model.lora.on or s.mode == "none" or not s.param_dtype:
+        return None
+    return DTYPES[s.param_dtype]
+
+
+def build_run_model(cfg: Config) -> nn.Module:
+    """The meta model as this run stores it: build_on_meta, LoRA's base in its dtype."""
+    model = build_on_meta(cfg.model)
+    dtype = lora_base_dtype(cfg)
+    if dtype is not None:
+        from trainer.models.lora import store_base_in
+
+        store_base_in(model, dtype)
+    return model
+
+
 def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
     """requires_grad=False for parameters whose name matches a glob; returns how many. Before
     sharding, so FSDP keeps each one's flag; the optimizer only sees trainable parameters."""
@@ -265,7 +285,7 @@ def build_model(cfg: Config, denv: DistEnv, layout: Layout, meter: SavedBytesMet
     root -> real. layout: the run's (validation's, or auto's once it chose); decided: the plan
     (and its profiles) checkpointing=auto chose."""
     started = time.perf_counter()
-    model = build_on_meta(cfg.model)
+    model = build_run_model(cfg)
     flops = family_of(cfg.model).flops_per_token(
         cfg.model, model, task_for(cfg.model, cfg.data, cfg.checkpointing).tokens_per_sample)
     freeze(model, cfg.model.freeze)

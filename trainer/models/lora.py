@@ -119,3 +119,15 @@ def merged_state(state: dict, lora: LoraSettings) -> dict:
             value = (value.float() + scale * (b @ a)).to(value.dtype)
         out[base_name(name)] = value
     return out
+
+
+def store_base_in(model: nn.Module, dtype) -> int:
+    """The frozen base in `dtype` (sharding.param_dtype): it has no gradient nor optimizer
+    state, so it needs no fp32 master copy; FSDP2 all-gathers it as it is stored. On the meta
+    model, before fully_shard. Returns how many parameters changed dtype."""
+    changed = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            changed += 1
+    return changed
