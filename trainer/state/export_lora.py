@@ -1,0 +1,92 @@
+"""Exports of a LoRA run (`python -m trainer.export CHECKPOINT --adapter | --merged`).
+
+--adapter: the adapters alone in PEFT's format, adapter_config.json + adapter_model.safetensors,
+which `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<base>), <folder>)` loads
+on the base folder (model.path; the built-in Llama/Qwen3 under transformers' names, as their
+own export writes them). --merged (the default for a LoRA checkpoint): every adapted weight
+W + alpha / rank * B @ A, written by the model's family like a run without adapters, so
+`AutoModelForCausalLM.from_pretrained` (and trainer.generate) load it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+
+from trainer.models.families import family_of_saved
+from trainer.models.lora import ADAPTER, merged_state
+from trainer.models.lora_settings import LoraSettings
+
+PEFT_PREFIX = "base_model.model."  # where PeftModel keeps the model it adapts
+QUANTIZED = ".nf4_"  # the names of an NF4 base weight's parts (trainer/models/qlora.py)
+
+
+def settings_of(model: Mapping) -> LoraSettings:
+    """The checkpoint's model.lora (off where it has none)."""
+    return LoraSettings(**(model.get("lora") or {}))
+
+
+def without_lora(model: Mapping) -> dict:
+    return {k: v for k, v in model.items() if k != "lora"}
+
+
+def dequantized(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """NF4-quantized base weights (model.lora.quantize) back to dense ones, by their name."""
+    if not any(QUANTIZED in name for name in tensors):
+        return dict(tensors)
+    from trainer.models.qlora import dense_weights
+
+    return dense_weights(dict(tensors))
+
+
+def export_merged(tensors: Mapping[str, torch.Tensor], model: Mapping, out: str, step: int,
+                  checkpoint: str) -> str:
+    lora = settings_of(model)
+    state = merged_state(dequantized(tensors), lora)
+    return family_of_saved(model).export(state, without_lora(model), out, step, checkpoint)
+
+
+def _hf_module(model: Mapping, layer: str) -> tuple[str, bool]:
+    """transformers' name of an adapted layer, and whether its output rows are rotary ones
+    that the built-in models' export reorders (trainer/models/families/llama.py)."""
+    if model.get("arch") == "hf":
+        return layer.removeprefix("hf."), False
+    family = family_of_saved(model)
+    weight = layer + ".weight"
+    rotary = any(weight.endswith("." + rows) for rows in family.rotary_rows)
+    return family._hf_name(weight).removesuffix(".weight"), rotary
+
+
+def export_adapter(tensors: Mapping[str, torch.Tensor], model: Mapping, out: str) -> str:
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    lora = settings_of(model)
+    if not lora.on:
+        raise SystemExit("error: --adapter: this checkpoint trained no adapters (model.lora.rank "
+                         "was null); export it without --adapter")
+    head_dim = None
+    if model.get("arch") != "hf":
+        head_dim = family_of_saved(model).hf_config(model)["head_dim"]
+    state, targets = {}, []
+    for name, tensor in tensors.items():
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}.{ADAPTER}.weight"
+            if not name.endswith(marker):
+                continue
+            hf_layer, rotary = _hf_module(model, name[:-len(marker)])
+            if part == "lora_B" and rotary:
+                from trainer.models.families.llama import _halves
+
+                tensor = _halves(tensor, head_dim)
+            state[f"{PEFT_PREFIX}{hf_layer}.{part}.weight"] = tensor.contiguous()
+            if part == "lora_A":
+                targets.append(hf_layer)
+    os.makedirs(out, exist_ok=True)
+    save_file(state, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+               target_modules=sorted(targets), task_type="CAUSAL_LM", bias="none",
+               base_model_name_or_path=model.get("path")).save_pretrained(out)
+    return out
