@@ -39,6 +39,7 @@ from sharding import fsdp
 from sharding.fsdp import DTYPES
 from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
 from trainer.models.families import family_of
+from trainer.models.lora import seed_name
 from trainer.task import task_for
 from sharding.layout import Layout
 
@@ -150,9 +151,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int, allocate: boo
         if id(param) in seen:  # tied weights are initialised once, under their first name
             continue
         seen.add(id(param))
-        # An adapted layer's base weight (PEFT's `base_layer`) is drawn as without adapters.
-        clean = canonical_name(name).replace(".base_layer.", ".")
-        generator = torch.Generator(device=device).manual_seed(param_seed(seed, clean))
+        # An adapted layer's base weight (PEFT's `base_layer`, NF4's parts) is drawn as
+        # without adapters (trainer/models/lora.py).
+        clean = canonical_name(name)
+        generator = torch.Generator(device=device).manual_seed(param_seed(seed, seed_name(clean)))
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         init_fn(clean, full, generator)
         if isinstance(param, DTensor):

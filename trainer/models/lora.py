@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +35,16 @@ BASE = ".base_layer"
 def base_name(name: str) -> str:
     """A parameter's name in the model without adapters (`...wq.base_layer.weight` -> `...wq.weight`)."""
     return name.replace(BASE + ".", ".")
+
+
+def seed_name(name: str) -> str:
+    """The name whose generator draws a parameter (build.materialize): the base weight's own
+    name for an adapted layer's base and for the parts of an NF4-quantized weight, so the base
+    is the same with and without adapters or quantization."""
+    layer, _, part = name.rpartition(".")
+    if part.startswith("nf4_"):
+        name = layer + ".weight"
+    return base_name(name)
 
 
 def is_adapter(name: str) -> bool:
@@ -68,8 +78,10 @@ def resolve_targets(model: nn.Module, block_names: Sequence[str],
 class LoraInit:
     """The model's init_param with adapters: see the module docstring."""
 
-    def __init__(self, base: Callable[[str, torch.Tensor, torch.Generator], None]) -> None:
+    def __init__(self, base: Callable[[str, torch.Tensor, torch.Generator], None],
+                 nf4: Optional[Callable] = None) -> None:
         self.base = base
+        self.nf4 = nf4  # qlora.NF4Init, when the base is quantized
 
     @torch.no_grad()
     def __call__(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
@@ -78,6 +90,8 @@ class LoraInit:
             full.uniform_(-bound, bound, generator=generator)
         elif ".lora_B." in name:
             full.zero_()
+        elif self.nf4 is not None and self.nf4.owns(name):
+            self.nf4(name, full, generator, self.base, seed_name(name))
         else:
             self.base(base_name(name), full, generator)
 
@@ -94,7 +108,13 @@ def apply_lora(model: nn.Module, lora: LoraSettings, block_names: Sequence[str],
     inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     for name, param in model.named_parameters():  # PEFT freezes the rest; say it, not assume it
         param.requires_grad_(is_adapter(name))
-    model.init_param = LoraInit(base_init)
+    nf4 = None
+    if lora.quantize == "nf4":
+        from trainer.models.qlora import NF4Init, quantize_blocks
+
+        quantize_blocks(model, block_names)
+        nf4 = NF4Init(model)
+    model.init_param = LoraInit(base_init, nf4)
     model.lora_targets = targets
     return targets
 
