@@ -238,3 +238,24 @@ def test_resume_on_another_world_size_is_bitwise_and_other_lora_settings_are_ref
     # Shapes fit, the adapters differ: a ConfigError naming the setting (the one line).
     with pytest.raises(AssertionError, match=r"ConfigError: model\.lora\.alpha: 8\.0 -> 4\.0 "):
         spawn(_load, 1, str(tmp_path), ["model.lora.alpha=4"])
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["model.lora.rank=0"], "error: model.lora.rank: must be a positive integer"),
+    (["model.lora.rank=4", "model.lora.targets=[nope*]"],
+     "error: model.lora.targets: 'nope*' matches no linear layer"),
+    (["model.lora.quantize=nf4"], "error: model.lora.quantize: nf4 quantizes the frozen base"),
+    (["model.lora.targets=[*wq]"], "error: model.lora.targets: adapters are on with"),
+    (["model.lora.rank=4", "model.lora.quantize=nf4", "model.dim=40", "model.n_heads=4",
+      "model.n_kv_heads=2"], "error: model.lora.quantize: nf4 quantizes in blocks of 64"),
+    (["model=vit_tiny", "data=synthetic_images", "model.lora.rank=4"],
+     "error: model.lora.rank: LoRA adapts language models"),
+    (["model.lora.rank=4", "model.lora.alpha=0"], "error: model.lora.alpha: must be > 0"),
+    (["model.lora.rank=4", "model.freeze=[tok_embeddings.*]"], "error: model.freeze: with LoRA"),
+])
+def test_bad_lora_settings_are_one_line_before_anything_starts(capsys, argv, line) -> None:
+    from trainer.cli import check_command
+
+    status = check_command(["train.device=cpu", "data=synthetic", *argv], {})
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith(line) and "\n" not in err, err
