@@ -1,4 +1,4 @@
-"""LoRA (model.lora, trainer/models/lora.py): adapters on a frozen base, sharded with it.
+"""LoRA (model.lora, trainer/models/families/lora.py): adapters on a frozen base, sharded with it.
 
 Every checkpointing policy gives the adapters bit-identical gradients (dropout on, 1 and 2
 ranks); 2 ranks agree with 1; the loss equals a plain PEFT loop's on the same HF model; a

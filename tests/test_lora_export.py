@@ -100,7 +100,7 @@ def test_builtin_llama_adapter_loads_on_its_base_export(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     from trainer.models.families.llama import FAMILY
-    from trainer.models.lora import base_name, is_adapter
+    from trainer.models.families.lora import base_name, is_adapter
     from trainer.state.export import load_model_state
 
     tiny = ["model=tiny", "model.dim=64", "model.n_layers=2", "model.ffn_hidden=128"]

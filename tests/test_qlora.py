@@ -1,4 +1,4 @@
-"""QLoRA (model.lora.quantize=nf4, trainer/models/qlora.py) on CPU, sharded over 2 ranks: the
+"""QLoRA (model.lora.quantize=nf4, trainer/models/families/qlora.py) on CPU, sharded over 2 ranks: the
 base's NF4 parts are sharded and all-gathered per block, the loss is finite, falls, and stays
 close to LoRA's on the same base kept in bfloat16."""
 

@@ -39,7 +39,7 @@ from sharding import fsdp
 from sharding.fsdp import DTYPES
 from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
 from trainer.models.families import family_of
-from trainer.models.lora import seed_name
+from trainer.models.families.lora import seed_name
 from trainer.task import task_for
 from sharding.layout import Layout
 
@@ -58,7 +58,7 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
     too (PEFT, on meta: the blocks fully_shard gets hold the frozen base and the adapters)."""
     model = family_of(cfg).build_on_meta(cfg)
     if cfg.lora.on:
-        from trainer.models.lora import apply_lora
+        from trainer.models.families.lora import apply_lora
 
         names, _ = find_model_blocks(model, cfg)
         apply_lora(model, cfg.lora, names, getattr(model, "init_param", None) or default_init)
@@ -79,7 +79,7 @@ def build_run_model(cfg: Config) -> nn.Module:
     model = build_on_meta(cfg.model)
     dtype = lora_base_dtype(cfg)
     if dtype is not None:
-        from trainer.models.lora import store_base_in
+        from trainer.models.families.lora import store_base_in
 
         store_base_in(model, dtype)
     return model
@@ -152,7 +152,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, allocate: boo
             continue
         seen.add(id(param))
         # An adapted layer's base weight (PEFT's `base_layer`, NF4's parts) is drawn as
-        # without adapters (trainer/models/lora.py).
+        # without adapters (trainer/models/families/lora.py).
         clean = canonical_name(name)
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, seed_name(clean)))
         full = torch.empty(param.shape, dtype=param.dtype, device=device)

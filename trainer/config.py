@@ -20,8 +20,6 @@ from hydra.core.config_store import ConfigStore
 # Selective checkpointing's default ops live beside the plan (checkpointing/plan.py, no torch),
 # so the config schema and the wrapper share one list without an upward import.
 from checkpointing.plan import DEFAULT_SAVE_OPS
-# model.lora lives in its own module (no torch either), beside the code that applies it.
-from trainer.models.lora_settings import LoraSettings
 
 
 class ConfigError(ValueError):
@@ -57,6 +55,24 @@ def check_writable(path: str, key: str) -> None:
         except OSError:
             writable = False
     require(writable, key, f"{path} is not writable (checked {probe}); choose a writable folder")
+
+
+@dataclass
+class LoraSettings:
+    """model.lora: low-rank adapters on a frozen base (trainer/models/families/lora.py, through PEFT)."""
+
+    rank: Optional[int] = None  # null: no LoRA, every weight trains; else only the adapters
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # on the adapters' input (PEFT's lora_dropout)
+    # Module-name globs of the linear layers adapted (e.g. "*.q_proj"); empty: every linear
+    # layer inside the blocks.
+    targets: List[str] = field(default_factory=list)
+    # none | nf4: the base's block linears stored in 4-bit NF4 (QLoRA, trainer/models/families/qlora.py)
+    quantize: str = "none"
+
+    @property
+    def on(self) -> bool:
+        return self.rank is not None
 
 
 @dataclass

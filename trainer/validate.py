@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from trainer.models.lora_settings import LORA_ARCHS
 from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Config, ConfigError,
                             ModelConfig, TrainConfig, check_writable, require)
 from trainer.data.base import ModelFacts
@@ -220,7 +219,7 @@ def _check_model_and_data(cfg: Config) -> None:
 
 
 def check_lora(m: ModelConfig) -> None:
-    """model.lora's values alone (its targets against the model: trainer/models/lora.py, in
+    """model.lora's values alone (its targets against the model: trainer/models/families/lora.py, in
     the pre-flight deep check and at the build)."""
     lora = m.lora
     if not lora.on:
@@ -231,8 +230,8 @@ def check_lora(m: ModelConfig) -> None:
         return
     require(isinstance(lora.rank, int) and lora.rank > 0, "model.lora.rank",
             f"must be a positive integer (or null: no LoRA), got {lora.rank}")
-    require(m.arch in LORA_ARCHS, "model.lora.rank", f"LoRA adapts language models "
-            f"(model.arch={', '.join(LORA_ARCHS)}), not model.arch={m.arch}; set it to null")
+    require(family_of(m).takes_lora, "model.lora.rank", f"LoRA adapts language models, not "
+            f"model.arch={m.arch}; set it to null")
     require(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
     require(0 <= lora.dropout < 1, "model.lora.dropout",
             f"must be at least 0 and below 1, got {lora.dropout}")

@@ -4,7 +4,7 @@ A trained parameter is stored sharded in the original dtype, all-gathered in the
 and has a gradient (sharded, and unsharded in the compute dtype before its reduce-scatter) and
 AdamW's two moments. A frozen one (model.freeze, the base under LoRA) has neither gradient nor
 optimizer state. A parameter of a dtype FSDP's mixed precision does not cast (the 4-bit codes
-and integer scalers of an NF4-quantized base, trainer/models/qlora.py) is stored and all-gathered
+and integer scalers of an NF4-quantized base, trainer/models/families/qlora.py) is stored and all-gathered
 in its own dtype; the layer it belongs to makes its compute-dtype weight only while it runs (the
 block's `transient_numel`: its largest dequantized weight, made again in backward).
 """

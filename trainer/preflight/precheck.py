@@ -96,7 +96,7 @@ def _blocks(cfg: Config) -> None:
 
 def _lora(cfg: Config) -> None:
     """model.lora: its targets (and what quantize needs) against the meta model, which
-    build_on_meta adapts (trainer/models/lora.py refuses a pattern matching no layer)."""
+    build_on_meta adapts (trainer/models/families/lora.py refuses a pattern matching no layer)."""
     if cfg.model.lora.on:
         from trainer.build import build_on_meta
 

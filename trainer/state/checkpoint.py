@@ -337,7 +337,7 @@ class Checkpointer:
         """Other adapters (model.lora) than were trained are another run, even where every
         shape fits (alpha, dropout): refused in one line."""
         from trainer.config import ConfigError
-        from trainer.models.lora_settings import lora_changes
+        from trainer.models.families.lora_settings import lora_changes
 
         with open(os.path.join(folder, STATE)) as f:
             saved = json.load(f)["config"]["model"].get("lora")

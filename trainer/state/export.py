@@ -30,7 +30,7 @@ from trainer.config import ModelConfig
 from trainer.data.factory import tokenizer_of_run
 from trainer.data.run_tokenizer import load_run_tokenizer
 from trainer.models.families import Family, family_of_saved
-from trainer.models.lora_settings import LoraSettings
+from trainer.config import LoraSettings
 from trainer.state.meta import SafeReader, UnsafeMetadata
 from trainer.state.checkpoint import STATE, list_checkpoints, verify
 

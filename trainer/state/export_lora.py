@@ -16,11 +16,11 @@ from typing import Mapping
 import torch
 
 from trainer.models.families import family_of_saved
-from trainer.models.lora import ADAPTER, merged_state
-from trainer.models.lora_settings import LoraSettings
+from trainer.models.families.lora import ADAPTER, merged_state
+from trainer.config import LoraSettings
 
 PEFT_PREFIX = "base_model.model."  # where PeftModel keeps the model it adapts
-QUANTIZED = ".nf4_"  # the names of an NF4 base weight's parts (trainer/models/qlora.py)
+QUANTIZED = ".nf4_"  # the names of an NF4 base weight's parts (trainer/models/families/qlora.py)
 
 
 def settings_of(model: Mapping) -> LoraSettings:
@@ -36,7 +36,7 @@ def dequantized(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """NF4-quantized base weights (model.lora.quantize) back to dense ones, by their name."""
     if not any(QUANTIZED in name for name in tensors):
         return dict(tensors)
-    from trainer.models.qlora import dense_weights
+    from trainer.models.families.qlora import dense_weights
 
     return dense_weights(dict(tensors))
 
@@ -48,17 +48,6 @@ def export_merged(tensors: Mapping[str, torch.Tensor], model: Mapping, out: str,
     return family_of_saved(model).export(state, without_lora(model), out, step, checkpoint)
 
 
-def _hf_module(model: Mapping, layer: str) -> tuple[str, bool]:
-    """transformers' name of an adapted layer, and whether its output rows are rotary ones
-    that the built-in models' export reorders (trainer/models/families/llama.py)."""
-    if model.get("arch") == "hf":
-        return layer.removeprefix("hf."), False
-    family = family_of_saved(model)
-    weight = layer + ".weight"
-    rotary = any(weight.endswith("." + rows) for rows in family.rotary_rows)
-    return family._hf_name(weight).removesuffix(".weight"), rotary
-
-
 def export_adapter(tensors: Mapping[str, torch.Tensor], model: Mapping, out: str) -> str:
     from peft import LoraConfig
     from safetensors.torch import save_file
@@ -67,23 +56,17 @@ def export_adapter(tensors: Mapping[str, torch.Tensor], model: Mapping, out: str
     if not lora.on:
         raise SystemExit("error: --adapter: this checkpoint trained no adapters (model.lora.rank "
                          "was null); export it without --adapter")
-    head_dim = None
-    if model.get("arch") != "hf":
-        head_dim = family_of_saved(model).hf_config(model)["head_dim"]
+    family = family_of_saved(model)
     state, targets = {}, []
     for name, tensor in tensors.items():
         for part in ("lora_A", "lora_B"):
             marker = f".{part}.{ADAPTER}.weight"
-            if not name.endswith(marker):
-                continue
-            hf_layer, rotary = _hf_module(model, name[:-len(marker)])
-            if part == "lora_B" and rotary:
-                from trainer.models.families.llama import _halves
-
-                tensor = _halves(tensor, head_dim)
-            state[f"{PEFT_PREFIX}{hf_layer}.{part}.weight"] = tensor.contiguous()
-            if part == "lora_A":
-                targets.append(hf_layer)
+            if name.endswith(marker):  # PEFT's file drops the adapter's name
+                hf_name, value = family.adapter_tensor(
+                    f"{name[:-len(marker)]}.{part}.weight", tensor, model)
+                state[PEFT_PREFIX + hf_name] = value.contiguous()
+                if part == "lora_A":
+                    targets.append(hf_name.removesuffix(".lora_A.weight"))
     os.makedirs(out, exist_ok=True)
     save_file(state, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
     LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
-from trainer.models.lora_settings import LoraSettings
+from trainer.config import LoraSettings
 
 ADAPTER = "default"  # PEFT's adapter name; the exported files drop it, as PEFT's do
 BASE = ".base_layer"
@@ -110,7 +110,7 @@ def apply_lora(model: nn.Module, lora: LoraSettings, block_names: Sequence[str],
         param.requires_grad_(is_adapter(name))
     nf4 = None
     if lora.quantize == "nf4":
-        from trainer.models.qlora import NF4Init, quantize_blocks
+        from trainer.models.families.qlora import NF4Init, quantize_blocks
 
         quantize_blocks(model, block_names)
         nf4 = NF4Init(model)
