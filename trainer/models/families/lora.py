@@ -27,6 +27,7 @@ from torch import nn
 
 from trainer.config import ConfigError
 from trainer.config import LoraSettings
+from trainer.models.families.qlora import quiet_torchao
 
 ADAPTER = "default"  # PEFT's adapter name; the exported files drop it, as PEFT's do
 BASE = ".base_layer"
@@ -100,7 +101,8 @@ def apply_lora(model: nn.Module, lora: LoraSettings, block_names: Sequence[str],
                base_init: Callable) -> list[str]:
     """Adapters on the targeted layers of the meta model, everything else frozen; returns the
     adapted layers' names. `base_init`: how the model initialises a parameter by name."""
-    from peft import LoraConfig, inject_adapter_in_model
+    with quiet_torchao():
+        from peft import LoraConfig, inject_adapter_in_model
 
     targets = resolve_targets(model, block_names, lora.targets)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,

@@ -18,8 +18,10 @@ NF4Tensor there and dequantizes one weight at a time. The memory model counts th
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,9 +33,27 @@ SCALER_BLOCKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # scaler blocks tried, large
 PARTS = ("nf4_data", "nf4_scalers", "nf4_factor", "nf4_mean", "nf4_table", "nf4_shape")
 
 
+@contextlib.contextmanager
+def quiet_torchao() -> Iterator[None]:
+    """PEFT imports torchao where it is installed (QLoRA's), whose import warns of CUDA
+    extensions it cannot load on a CPU host, of Triton, and of torch's pytree: a dozen lines per
+    rank that say nothing about the run. Errors still show."""
+    names = ("torchao", "torch.utils._pytree", "torchao.kernel.intmm")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _nf4():
     try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+        with quiet_torchao():
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
         raise ConfigError("model.lora.quantize", "nf4 needs torchao (pip install "
                           "'blocktrain[qlora]'), or set model.lora.quantize=none") from None
