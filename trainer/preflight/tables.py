@@ -143,7 +143,8 @@ def frozen_line(outcome) -> Optional[str]:
 
     sc = outcome.scenario
     shard = sc.layout.shard if sc.cfg.sharding.mode != "none" else 1
-    trained = frozen = stored = dense = 0
+    trained = stored = dense = 0
+    frozen = False
     for g in outcome.groups:
         n = len(g.shapes)
         for shape, is_trained, size in zip(g.shapes, g.trained or (True,) * n,
@@ -151,7 +152,7 @@ def frozen_line(outcome) -> Optional[str]:
             if is_trained:
                 trained += math.prod(shape or (1,))
             else:
-                frozen += math.prod(shape or (1,))
+                frozen = True
                 stored += sharded_numel(shape, shard) * size
         dense = max(dense, g.transient_numel)
     if not frozen:
@@ -159,9 +160,8 @@ def frozen_line(outcome) -> Optional[str]:
     lora = sc.cfg.model.lora
     what = (f"model.lora r={lora.rank}" + (", base in nf4" if lora.quantize == "nf4" else "")
             if lora.on else "model.freeze")
-    line = (f"frozen ({what}): {trained / 1e6:,.3f}M parameters trained, the other "
-            f"{frozen / 1e6:,.1f}M (elements) frozen: no gradients nor optimizer state; stored "
-            f"{stored / GIB:.2f} GiB per rank")
+    line = (f"frozen ({what}): {trained / 1e6:,.3f}M parameters trained; the frozen rest has "
+            f"no gradients nor optimizer state, stored {stored / GIB:.2f} GiB per rank")
     if dense:
         compute = 2 if sc.cfg.sharding.param_dtype in ("bfloat16", "float16") else 4
         line += (f"; a block's largest dequantized weight {dense * compute / GIB:.2f} GiB while "
