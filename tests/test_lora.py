@@ -48,8 +48,15 @@ def _train(overrides: list[str], steps: int, rank: int, make_batch=None):
     return torch.stack(losses), grads, [p.recompute for p in built.plan]
 
 
-def _policies(rank: int, world_size: int):
-    return [_train(["model=tiny", *LORA, *policy], 3, rank) for policy in POLICIES]
+HF_DROPOUT = ["model=hf", "model.dropout=0",
+              "model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 64, "
+              "intermediate_size: 128, num_hidden_layers: 4, num_attention_heads: 4, "
+              "num_key_value_heads: 2, max_position_embeddings: 128, attention_dropout: 0.1}"]
+MODELS = {"llama": ["model=tiny"], "hf": HF_DROPOUT}
+
+
+def _policies(rank: int, world_size: int, model: str = "llama"):
+    return [_train([*MODELS[model], *LORA, *policy], 3, rank) for policy in POLICIES]
 
 
 def _assert_adapters_only_and_bitwise(results) -> None:
@@ -72,10 +79,12 @@ def _one_rank(monkeypatch):
     init_distributed(read_env("cpu"), timeout_s=60)  # a world of one, as `python -m trainer`
 
 
-def test_every_policy_gives_bitwise_identical_adapter_gradients_one_rank(monkeypatch) -> None:
+@pytest.mark.parametrize("model", ["llama", "hf"])
+def test_every_policy_gives_bitwise_identical_adapter_gradients_one_rank(monkeypatch,
+                                                                          model) -> None:
     _one_rank(monkeypatch)
     try:
-        results = _policies(0, 1)
+        results = _policies(0, 1, model)
     finally:
         shutdown()
     _assert_adapters_only_and_bitwise(results)
