@@ -59,3 +59,35 @@ def test_qlora_runs_sharded_and_follows_bf16_lora() -> None:
     assert qlora[-1] < qlora[0] - 0.5, qlora
     for step, (q, b) in enumerate(zip(qlora, lora)):
         assert abs(q - b) <= TOLERANCE * b, (step, qlora, lora)
+
+
+def test_merged_export_dequantizes_the_nf4_parts_and_adds_the_adapters() -> None:
+    """trainer/state/export_lora.py's merge of a QLoRA state: each layer's NF4 parts become
+    its dequantized weight (as torchao dequantizes it), plus alpha / rank * B @ A."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from trainer.config import LoraSettings
+    from trainer.models.families.qlora import scaler_block
+    from trainer.state.export_lora import dequantized
+    from trainer.models.families.lora import merged_state
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    nf4 = to_nf4(weight, 64, scaler_block(weight.numel()))
+    layer = "layers.0.attention.wq"
+    state = {f"{layer}.base_layer.nf4_data": nf4.quantized_data,
+             f"{layer}.base_layer.nf4_scalers": nf4.quantized_scalers,
+             f"{layer}.base_layer.nf4_factor": nf4.quantization_factor,
+             f"{layer}.base_layer.nf4_mean": nf4.scaler_mean.reshape(1),
+             f"{layer}.base_layer.nf4_table": nf4.nf4,
+             f"{layer}.base_layer.nf4_shape": torch.tensor([96, 64]),
+             f"{layer}.lora_A.default.weight": torch.randn(4, 64, generator=g),
+             f"{layer}.lora_B.default.weight": torch.randn(96, 4, generator=g),
+             "norm.weight": torch.ones(64)}
+    merged = merged_state(dequantized(state), LoraSettings(rank=4, alpha=8.0))
+    assert sorted(merged) == [f"{layer}.weight", "norm.weight"]
+    dense = nf4.get_original_weight()
+    assert (dense.float() - weight.float()).abs().max() < 0.5  # it is the weight, in 4 bits
+    expected = (dense.float() + 2.0 * state[f"{layer}.lora_B.default.weight"]
+                @ state[f"{layer}.lora_A.default.weight"]).to(torch.bfloat16)
+    assert torch.equal(merged[f"{layer}.weight"], expected)

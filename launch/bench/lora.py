@@ -74,6 +74,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", choices=("full", "lora"), default=None,
+                        help="run one of the two (for paired whole-process timing, e.g. "
+                             "farm-bench --vs '... --only full' -- ... --only lora)")
     args = parser.parse_args(argv)
     from trainer.distenv import init_distributed, read_env, shutdown
 
@@ -84,10 +87,16 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"model.vocab_size={args.vocab}", f"model.max_seq_len={args.seq}",
              f"data.seq_len={args.seq}", f"train.micro_batch_size={args.batch}",
              "data=synthetic", "logging.wandb=false"]
+    lora_run = [*model, f"model.lora.rank={args.rank}"]
     init_distributed(read_env("cpu"), timeout_s=600)
     try:
+        if args.only:
+            row = _run(model if args.only == "full" else lora_run, args.steps)
+            print(f"{args.only}: grads+optim {(row['grads'] + row['optimizer']) / 2**20:.2f} "
+                  f"MiB, step {row['step_s']:.3f} s")
+            return 0
         full = _run(model, args.steps)
-        lora = _run([*model, f"model.lora.rank={args.rank}"], args.steps)
+        lora = _run(lora_run, args.steps)
     finally:
         shutdown()
     print(f"# {datetime.date.today()} CPU ({torch.get_num_threads()} threads), llama dim "
