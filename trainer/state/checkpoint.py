@@ -339,8 +339,8 @@ class Checkpointer:
         from trainer.config import ConfigError
         from trainer.models.families.lora_settings import lora_changes
 
-        with open(os.path.join(folder, STATE)) as f:
-            saved = json.load(f)["config"]["model"].get("lora")
+        with open(os.path.join(folder, STATE)) as f:  # a bare test state may say nothing
+            saved = json.load(f).get("config", {}).get("model", {}).get("lora")
         changed = lora_changes(saved, self.model_settings.get("lora"))
         if changed:  # named by the first setting that changed: the one to set back
             key, rest = changed[0].split(" ", 1)
