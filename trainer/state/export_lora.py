@@ -41,10 +41,16 @@ def dequantized(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return dense_weights(dict(tensors))
 
 
+def merged_tensors(tensors: Mapping[str, torch.Tensor], model: Mapping) -> dict:
+    """A LoRA checkpoint's tensors as the model without adapters holds them (merged, and
+    dequantized where the base was NF4); others' as they are."""
+    lora = settings_of(model)
+    return merged_state(dequantized(tensors), lora) if lora.on else dict(tensors)
+
+
 def export_merged(tensors: Mapping[str, torch.Tensor], model: Mapping, out: str, step: int,
                   checkpoint: str) -> str:
-    lora = settings_of(model)
-    state = merged_state(dequantized(tensors), lora)
+    state = merged_tensors(tensors, model)
     return family_of_saved(model).export(state, without_lora(model), out, step, checkpoint)
 
 
