@@ -87,7 +87,7 @@ def test_config_keys_are_frozen() -> None:
         "model.block_pattern", "model.path", "model.hf_config", "model.attn_implementation",
         "model.attention",
         "model.freeze", "model.image_size", "model.patch_size", "model.channels",
-        "model.num_classes", "model.checkpoint_path", "model.timm_args",
+        "model.num_classes", "model.checkpoint_path", "model.timm_args", "model.lora",
         "data.source", "data.seq_len", "data.train_path", "data.val_path", "data.token_dtype",
         "data.max_corpus_bytes", "data.workers", "data.augment", "data.skip_bad_images",
         "data.path", "data.split", "data.tokenizer", "data.text_field", "data.messages_field",

@@ -58,6 +58,24 @@ def check_writable(path: str, key: str) -> None:
 
 
 @dataclass
+class LoraSettings:
+    """model.lora: low-rank adapters on a frozen base (trainer/models/families/lora.py, through PEFT)."""
+
+    rank: Optional[int] = None  # null: no LoRA, every weight trains; else only the adapters
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # on the adapters' input (PEFT's lora_dropout)
+    # Module-name globs of the linear layers adapted (e.g. "*.q_proj"); empty: every linear
+    # layer inside the blocks.
+    targets: List[str] = field(default_factory=list)
+    # none | nf4: the base's block linears stored in 4-bit NF4 (QLoRA, trainer/models/families/qlora.py)
+    quantize: str = "none"
+
+    @property
+    def on(self) -> bool:
+        return self.rank is not None
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"  # preset name, for logs and run names
     arch: str = "llama"  # the family (trainer/models/families/): llama, qwen3, hf, vit, hf_vision, timm
@@ -102,6 +120,7 @@ class ModelConfig:
     # checkpoint_path a local .safetensors/.pth file of pretrained weights (nothing downloaded).
     checkpoint_path: Optional[str] = None
     timm_args: Optional[Any] = None
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -378,6 +397,7 @@ CHOICES = {
                              "file", "compiler"),
     "offload.target": ("none", "cpu", "disk"),
     "model.attention": ("auto", "flash", "cudnn", "efficient", "math"),
+    "model.lora.quantize": ("none", "nf4"),
 }
 
 

@@ -43,6 +43,7 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
         _save_ops(cfg)
         family_of(cfg.model).check_deep(cfg.model)
         _blocks(cfg)
+        _lora(cfg)
         _data(cfg)
         _head(cfg)
         _sequence(cfg, layout)
@@ -106,6 +107,15 @@ def _blocks(cfg: Config) -> None:
     from trainer.build import build_on_meta, find_model_blocks
 
     find_model_blocks(build_on_meta(cfg.model), cfg.model)
+
+
+def _lora(cfg: Config) -> None:
+    """model.lora: its targets (and what quantize needs) against the meta model, which
+    build_on_meta adapts (trainer/models/families/lora.py refuses a pattern matching no layer)."""
+    if cfg.model.lora.on:
+        from trainer.build import build_on_meta
+
+        build_on_meta(cfg.model)
 
 
 def _sequence(cfg: Config, layout) -> None:

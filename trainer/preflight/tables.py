@@ -115,6 +115,9 @@ def table(outcome, tflops: float) -> str:
         f"{est.recompute_flops * outcome.seconds_per_flop:.3f} s at a nominal {tflops:g} TFLOP/s "
         "per GPU (--tflops)",
     ]
+    frozen = frozen_line(outcome)
+    if frozen:
+        lines.append(frozen)
     if est.host:
         lines.append(f"host memory (sharding.cpu_offload): parameters, gradients and optimizer "
                      f"state {est.host / GIB:.2f} GiB per rank, not on the GPU")
@@ -129,6 +132,41 @@ def table(outcome, tflops: float) -> str:
         lines.append(f"budget: {outcome.budget.bytes / GIB:.2f} GiB of activations per rank "
                      f"(no checkpointing: {outcome.budget.no_checkpoint_bytes / GIB:.2f} GiB)")
     return "\n".join(lines)
+
+
+def frozen_line(outcome) -> Optional[str]:
+    """What the frozen parameters (model.lora's base, model.freeze) cost, where some are: the
+    parameters line above holds their storage, the unsharded line a block's dequantized weight."""
+    import math
+
+    from checkpointing.planner.param_bytes import sharded_numel
+
+    sc = outcome.scenario
+    shard = sc.layout.shard if sc.cfg.sharding.mode != "none" else 1
+    trained = stored = dense = 0
+    frozen = False
+    for g in outcome.groups:
+        n = len(g.shapes)
+        for shape, is_trained, size in zip(g.shapes, g.trained or (True,) * n,
+                                           g.itemsizes or (4,) * n):
+            if is_trained:
+                trained += math.prod(shape or (1,))
+            else:
+                frozen = True
+                stored += sharded_numel(shape, shard) * size
+        dense = max(dense, g.transient_numel)
+    if not frozen:
+        return None
+    lora = sc.cfg.model.lora
+    what = (f"model.lora r={lora.rank}" + (", base in nf4" if lora.quantize == "nf4" else "")
+            if lora.on else "model.freeze")
+    line = (f"frozen ({what}): {trained / 1e6:,.3f}M parameters trained; the frozen rest has "
+            f"no gradients nor optimizer state, stored {stored / GIB:.2f} GiB per rank")
+    if dense:
+        compute = 2 if sc.cfg.sharding.param_dtype in ("bfloat16", "float16") else 4
+        line += (f"; a block's largest dequantized weight {dense * compute / GIB:.2f} GiB while "
+                 "it runs (in the unsharded line)")
+    return line
 
 
 def sequence_text(sc, tokens: int) -> str:
