@@ -245,7 +245,8 @@ class Trainer:
                                    Startup(built.build_s, built.started, built.compiled_blocks,
                                            self.progress.step), predicted)
             self.evaluation = Evaluation(t, resumed is None, built.model, self.data.val,
-                                         self.task, self.device, self.logger)
+                                         self.task, self.device, self.logger,
+                                         self.data.val_weights)
             if resumed is not None:
                 self.logger.info(resumed[1])
             self.rollback = Rollback(self.checkpointer, self.model_state, guard, self.logger,

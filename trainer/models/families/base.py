@@ -109,16 +109,18 @@ class Task:
         correct = (logits.argmax(dim=-1) == targets).float().mean()
         return self.criterion(logits, targets), correct
 
-    def eval_metrics(self, loss: torch.Tensor, second: torch.Tensor, batches: int,
+    def eval_metrics(self, loss: torch.Tensor, second: torch.Tensor, batches: torch.Tensor,
                      mean: Callable[[torch.Tensor], float]) -> dict[str, float]:
-        """The validation figures from the sums over `batches` batches of eval_batch's two
-        results on this rank; `mean` averages a value over the ranks (a collective: every
-        rank calls it, in this order). val_loss; a classifier's val_accuracy (top-1) too."""
+        """The validation figures from the weighted sums of eval_batch's two results on this
+        rank over `batches` (full batches' worth: trainer/observe/evaluate.py); `mean` averages
+        a value over the ranks (a collective: every rank calls it, in this order). val_loss; a
+        classifier's val_accuracy (top-1) too: means over every rank's samples."""
         if self.summed:  # the mean over every rank's supervised targets
             return {"val_loss": mean(loss) / max(mean(second), 1e-30)}
-        metrics = {"val_loss": mean(loss / batches)}
+        counted = max(mean(batches), 1e-30)  # ranks may score different numbers of samples
+        metrics = {"val_loss": mean(loss) / counted}
         if self.kind == "classification":
-            metrics["val_accuracy"] = mean(second / batches)
+            metrics["val_accuracy"] = mean(second) / counted
         return metrics
 
 
