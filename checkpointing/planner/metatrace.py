@@ -34,8 +34,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.head import SeeInsideHead
-from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
 from checkpointing.planner.attention_workspace import workspace_rule
+from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
+from checkpointing.planner.meta_attention import attention_flops as _attention_flops
 from checkpointing.planner.meta_attention import fused_on_meta, lower_right_on_meta
 from checkpointing.query_tiles import lower_right_attention
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
@@ -80,19 +81,6 @@ def fused_forward(forward: Callable, like_cpu: bool = False,
         with FusedAttentionOnMeta(like_cpu, attention):
             return forward(*args, **kwargs)
     return run
-
-
-def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """The two attention matmuls (scores, then probabilities x values) over the (query, key)
-    pairs a kernel computes: all of them, or with is_causal the causal ones, aligned to the
-    bottom right as flash kernels do (query i of q_len sees k_len - q_len + i + 1 keys: half the
-    square for whole attention, a query tile's prefix for tiles). The CUDA kernels skip the
-    masked blocks, so counting them (as FlopCounterMode's own formula does) doubles attention."""
-    batch, heads, q_len, head_dim = query_shape
-    k_len, v_dim = key_shape[-2], value_shape[-1]
-    causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
-    pairs = q_len * k_len - (q_len * (q_len - 1) // 2 if causal and q_len <= k_len else 0)
-    return 2 * batch * heads * pairs * head_dim + 2 * batch * heads * pairs * v_dim
 
 
 class _LiveBytes(TorchDispatchMode):
