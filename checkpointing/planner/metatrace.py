@@ -83,11 +83,16 @@ def fused_forward(forward: Callable, like_cpu: bool = False,
 
 
 def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """The two attention matmuls (scores, then probabilities x values), causal mask ignored, as
-    FlopCounterMode counts the CUDA attention kernels."""
+    """The two attention matmuls (scores, then probabilities x values) over the (query, key)
+    pairs a kernel computes: all of them, or with is_causal the causal ones, aligned to the
+    bottom right as flash kernels do (query i of q_len sees k_len - q_len + i + 1 keys: half the
+    square for whole attention, a query tile's prefix for tiles). The CUDA kernels skip the
+    masked blocks, so counting them (as FlopCounterMode's own formula does) doubles attention."""
     batch, heads, q_len, head_dim = query_shape
     k_len, v_dim = key_shape[-2], value_shape[-1]
-    return 2 * batch * heads * q_len * k_len * head_dim + 2 * batch * heads * q_len * k_len * v_dim
+    causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
+    pairs = q_len * k_len - (q_len * (q_len - 1) // 2 if causal and q_len <= k_len else 0)
+    return 2 * batch * heads * pairs * head_dim + 2 * batch * heads * pairs * v_dim
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -155,6 +160,7 @@ class BlockMeasure:
     #                             its saved bytes and unsharded weight gradients included
     forward_flops: int
     recompute_flops: dict[str, int]  # FLOPs each option runs again in backward
+    attention_flops: int = 0  # of forward_flops: attention's (causal) matmuls (step_time.py)
     storage_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per option
     # Forward FLOPs of its sequence-tiled modules (checkpointing/tiles.py): their backward
     # recomputes them once more, tile by tile, whatever the block's own recompute option.
@@ -264,19 +270,20 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequenc
         saved[option] = meter.bytes
         sizes[option] = tuple(meter.sizes)
         peak[option] = max(forward_peak, backward_peak)
-    forward_flops, saved_op_flops, tile_flops = _forward_flops(block, args, kwargs,
-                                                               save_op_names, like_cpu)
+    forward_flops, saved_op_flops, tile_flops, attention_flops = _forward_flops(
+        block, args, kwargs, save_op_names, like_cpu)
     recompute = {"none": 0, "full": forward_flops,
                  "selective": max(0, forward_flops - saved_op_flops)}
     return BlockMeasure(saved_bytes=saved, peak_bytes=peak, forward_flops=forward_flops,
                         recompute_flops=recompute, storage_sizes=sizes, tile_flops=tile_flops,
+                        attention_flops=attention_flops,
                         workspace_bytes=live.workspace_peak)
 
 
 def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: Sequence[str],
-                   like_cpu: bool = False) -> tuple[int, int, int]:
+                   like_cpu: bool = False) -> tuple[int, int, int, int]:
     """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps, FLOPs inside its
-    sequence-tiled modules) of one block."""
+    sequence-tiled modules, attention's FLOPs) of one block."""
     counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})
     tiled = [m for m in block.modules() if (getattr(m, "_blocktrain_tiles", None) or 1) > 1]
     inside = [0, 0]  # (FLOPs counted when the tiled module started, FLOPs inside them)
@@ -299,7 +306,7 @@ def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: S
     kept = set(save_op_names)
     saved_flops = sum(n for op, n in by_op.items() if getattr(op, "__name__", str(op)) in kept
                       or str(op).split(".")[-1] in kept)
-    return counter.get_total_flops(), saved_flops, inside[1]
+    return counter.get_total_flops(), saved_flops, inside[1], by_op.get(_FLASH_CPU, 0)
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:

@@ -23,7 +23,7 @@ from checkpointing.planner.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
 from sharding.sequence import MetaExchange
-from trainer.build import build_on_meta, find_model_blocks
+from trainer.build import build_run_model, find_model_blocks, lora_base_dtype
 from trainer.config import Config, tile_count
 from trainer.models.attention_backend import resolve as resolve_attention
 from trainer.models.families import family_of
@@ -178,11 +178,13 @@ class Evaluator:
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
                tuple(cfg.checkpointing.save_ops), task.head_chunk, task.gather_rows,
-               task.meta_fraction, degree, tiles, self.attention(cfg))
+               task.meta_fraction, degree, tiles, self.attention(cfg), lora_base_dtype(cfg))
         if key not in self._profiles:
-            model = build_on_meta(cfg.model)
+            model = build_run_model(cfg)
             names, blocks = find_model_blocks(model, cfg.model)
-            orig_dtype = next(model.parameters()).dtype
+            # The trained parameters' dtype (LoRA's frozen base may be stored in another).
+            orig_dtype = next((p.dtype for p in model.parameters() if p.requires_grad),
+                              next(model.parameters()).dtype)
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
