@@ -210,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     out = output_dir(args, cfg)
     os.makedirs(out, exist_ok=True)
     data = plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, advice,
-                     judged.keys)
+                     {**judged.keys, **attention_keys(outcome, evaluator)})
     with open(os.path.join(out, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
@@ -231,7 +231,7 @@ def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, a
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
             **verdict_keys,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
-            **summary(outcome), **attention_keys(outcome, evaluator),
+            **summary(outcome),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
                             for s in advice],
