@@ -71,6 +71,7 @@ def ulysses_wrap(exchange: Exchange, options: Optional[Options] = None
             if options is not None:
                 kwargs = options(kwargs, q.shape[1], k.shape[1], exchange.size)
             return ulysses_attention(current, q, k, v, exchange, **kwargs)
+        attend.exchanges_tokens = True  # query tiles must not slice its sequences
         return attend
     return wrap
 

@@ -128,6 +128,8 @@ class Family:
     """The questions the trainer asks of a model family; a family module subclasses
     `LanguageModel` or `ImageClassifier` and answers the rest."""
 
+    takes_lora = False  # whether model.lora applies (language models)
+
     arch = ""  # the model.arch value that chooses this family (conf/model/*.yaml)
     # What one sample is, for the data sources to check theirs against (trainer/data/):
     # "tokens" (a language model) or "images" (a classifier).
@@ -283,9 +285,17 @@ class LanguageModel(Family):
     cross-entropy) or the fused chunked head (checkpointing.head=chunked)."""
 
     sample = "tokens"
+    takes_lora = True  # model.lora adapts its blocks' linear layers (families/lora.py)
 
     def context_length(self, m: ModelConfig, model: nn.Module) -> Optional[int]:
         return m.max_seq_len
+
+    def adapter_tensor(self, name: str, tensor: torch.Tensor,
+                       model: Mapping) -> tuple[str, torch.Tensor]:
+        """A LoRA tensor's name (`<layer>.lora_A.weight`) and value as PEFT's adapter file
+        holds it for this family's transformers export; `name` is the layer's as the model
+        names it, with the adapter's part (families/lora.py's export_adapter)."""
+        raise NotImplementedError(f"{self.arch}: no transformers export to adapt")
 
     def head_chunk(self, m: ModelConfig, head: CheckpointingConfig) -> Optional[int]:
         """Tokens per chunk of the fused chunked head; None for the plain head."""
