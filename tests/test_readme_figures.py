@@ -146,7 +146,9 @@ def test_quoted_command_runs(command: str, tmp_path) -> None:
     elif module == "trainer.report":  # meta device: runs as quoted, in seconds
         ran = _run([sys.executable, "-m", "trainer.report", *rest, "--out",
                     str(tmp_path)])
-        assert ran.returncode == 0 and "predicted peak" in ran.stdout, ran.stderr[-2000:]
+        # 3: the quoted run does not fit (a page may quote one that does not, to say so)
+        assert ran.returncode in (0, 3) and "predicted peak" in ran.stdout, ran.stderr[-2000:]
+        assert (ran.returncode == 3) == ("does NOT fit" in ran.stdout), ran.stdout[-2000:]
     elif module == "launch.bench.data":  # its three parts, on a small corpus
         ran = _run([sys.executable, "-m", "launch.bench.data", "--text-mb", "0.2", "--chats",
                     "200", "--steps", "5", "--out", str(tmp_path)], timeout=600)
