@@ -65,6 +65,36 @@ def balanced_positions(length: int, rank: int, size: int,
     return balanced_slice(torch.arange(length, device=device)[None], rank, size)[0]
 
 
+def sample_slice(x: torch.Tensor, context_rank: int, context: int, sequence_rank: int,
+                 sequence: int, dim: int = 1) -> torch.Tensor:
+    """What a rank holds of a whole-sample tensor (tokens, targets, positions) when sequence x
+    context ranks share the sample (sharding/layout.py): its ring place's balanced pair of
+    chunks, and within that its Ulysses slice (contiguous: the all-to-all rebuilds the pair)."""
+    from sharding.sequence import sequence_slice
+
+    if context > 1:
+        x = balanced_slice(x, context_rank, context, dim)
+    return sequence_slice(x, sequence_rank, sequence, dim)
+
+
+def sample_positions(length: int, context_rank: int, context: int, sequence_rank: int,
+                     sequence: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The global positions [length / (sequence x context)] of the tokens a rank holds."""
+    whole = torch.arange(length, device=device)[None]
+    return sample_slice(whole, context_rank, context, sequence_rank, sequence)[0]
+
+
+def gather_ring(x: torch.Tensor, group: Optional[dist.ProcessGroup],
+                dim: int = 1) -> torch.Tensor:
+    """The whole sample, in position order, from each ring rank's balanced slice of it (for
+    metadata: positions, document ids; no gradient). group None: `x` itself."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return balanced_unslice(parts, dim=dim)
+
+
 # --- the kernels ------------------------------------------------------------------------
 
 class CpuFlash:

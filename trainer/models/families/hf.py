@@ -118,7 +118,7 @@ class HFCausalLM(LanguageModel):
         `mlp`."""
         return getattr(block, "mlp", None)
 
-    def sequence_parallel(self, model: nn.Module, group) -> int:
+    def sequence_parallel(self, model: nn.Module, group, context_group=None) -> int:
         """As the built-in Llama's (families/llama.py): every attention module's registered
         function runs inside Ulysses' all-to-all, with the whole sequence's mask instead of
         HF's slice-sized one; `positions` are the slice of the packed positions, or None for
@@ -127,6 +127,9 @@ class HFCausalLM(LanguageModel):
         its KV heads. Returns the attention modules wrapped."""
         from sharding.sequence import GroupExchange
 
+        if context_group is not None:
+            raise ConfigError("sharding.context", "ring attention does not reach HF models "
+                              "yet; set sharding.context=1 (use sharding.sequence)")
         implementation = model.hf.config._attn_implementation
         if implementation not in HF_IMPLEMENTATIONS:
             raise ConfigError("model.attn_implementation", f"{implementation!r} cannot run "
