@@ -233,7 +233,7 @@ class SequenceMesh:
     1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp.
     """
 
-    mesh: DeviceMesh            # ("data", "context", "sequence"), "replicate" first for hsdp
+    mesh: DeviceMesh            # ("data", ["context",] "sequence"), "replicate" first (hsdp)
     fsdp: DeviceMesh            # what fully_shard gets
     group: dist.ProcessGroup    # this rank's sequence (Ulysses) group
     rank: int                   # this rank's place in its sequence group (its slice)
@@ -247,8 +247,11 @@ def build_sequence_mesh(layout: Layout, device_type: str) -> SequenceMesh:
     node) and the ring outside them, as the layout places them. Needs a process group."""
     fsdp = build_mesh(layout, device_type)
     degree, context = layout.degree, layout.context
-    mesh = fsdp._unflatten("shard", (layout.shard // (degree * context), context, degree),
-                           ("data", "context", "sequence"))
+    if context == 1:
+        mesh = fsdp._unflatten("shard", (layout.shard // degree, degree), ("data", "sequence"))
+    else:
+        mesh = fsdp._unflatten("shard", (layout.shard // (degree * context), context, degree),
+                               ("data", "context", "sequence"))
     group = mesh.get_group("sequence")
     ring = mesh.get_group("context") if context > 1 else None
     seq = SequenceMesh(mesh=mesh, fsdp=fsdp, group=group, rank=dist.get_rank(group),

@@ -91,8 +91,23 @@ def _case(rank: int, sequence: int, context: int, arch: str, heads: int, kv_head
             "wrapped": wrapped, "share": tuple(mine[0].shape)}
 
 
+def _mesh(rank: int, world: int, sequence: int) -> dict:
+    """The run's mesh (sharding/sequence.py) for this layout: which ranks it groups."""
+    from sharding.layout import mesh_layout
+    from sharding.sequence import build_sequence_mesh
+
+    seq = build_sequence_mesh(mesh_layout("fsdp", world, sequence=sequence,
+                                          context=world // sequence), "cpu")
+    return {"sequence": dist.get_process_group_ranks(seq.group),
+            "ring": dist.get_process_group_ranks(seq.context_group),
+            "place": (seq.context_rank, seq.rank), "dims": seq.mesh.mesh_dim_names,
+            "fsdp": seq.fsdp.mesh.tolist()}
+
+
 def _all(rank: int, world: int, sequence: int, names: tuple) -> dict:
-    return {name: _case(rank, sequence, world // sequence, *CASES[name]) for name in names}
+    results = {name: _case(rank, sequence, world // sequence, *CASES[name]) for name in names}
+    results["mesh"] = _mesh(rank, world, sequence)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +128,20 @@ def test_context_2_gives_the_whole_sequence_loss_and_gradients(context_2, name) 
 def test_sequence_2_by_context_2_gives_the_whole_sequence_loss_and_gradients() -> None:
     names = ("llama_gqa_packed", "llama_mqa_chunked", "qwen3_gqa_packed_chunked")
     ranks = spawn(_all, 4, 2, names)
-    for rank in ranks:
+    for place, rank in enumerate(ranks):  # Ulysses pairs adjacent, rings strided over them
+        c, s = place // 2, place % 2
+        assert rank["mesh"] == {"sequence": [2 * c, 2 * c + 1], "ring": [s, s + 2],
+                                "place": (c, s), "dims": ("data", "context", "sequence"),
+                                "fsdp": [0, 1, 2, 3]}
         for name in names:
             got = rank[name]
             assert got["share"] == (BATCH, SEQ // 4)
             assert torch.allclose(got["loss"], got["expected"], rtol=TOLERANCE, atol=0), name
             assert got["grad_error"] < TOLERANCE, (name, got["grad_error"])
+
+
+def test_the_mesh_keeps_ulysses_inside_and_the_ring_across(context_2) -> None:
+    for rank, got in enumerate(context_2):
+        assert got["mesh"] == {"sequence": [rank], "ring": [0, 1], "place": (rank, 0),
+                               "dims": ("data", "context", "sequence"), "fsdp": [0, 1]}
+

@@ -89,17 +89,23 @@ def _four_ranks(rank: int, world: int, work: str) -> dict:
     llama = [*chat(Path(work)), "model.dropout=0.0", *CHUNKED, "checkpointing=full",
              "train.eval_batches=1"]
     both = [*llama, "train.micro_batch_size=4", "sharding.sequence=2", "sharding.context=2"]
-    return _compare({"2x2": (both, [*llama, "train.micro_batch_size=1"])}, work, rank)
+    ring = [*llama, "train.micro_batch_size=2", "sharding.context=2"]
+    reference = [*llama, "train.micro_batch_size=1"]
+    # hsdp: 2 replicas x (1 data x a ring of 2): the ring inside each replica.
+    return _compare({"2x2": (both, reference),
+                     "hsdp": ([*ring, "sharding=hsdp", "sharding.replicate=2"], reference)},
+                    work, rank)
 
 
-def test_sequence_2_by_context_2_on_four_ranks(work) -> None:
+def test_sequence_2_by_context_2_and_hsdp_rings_on_four_ranks(work) -> None:
     ranks = spawn(_four_ranks, 4, str(work))
     for rank in ranks:
-        got = rank["2x2"]
-        assert got["loss"][0] == pytest.approx(got["loss"][1], rel=TOLERANCE, abs=0)
-        assert got["val"][0] == pytest.approx(got["val"][1], rel=TOLERANCE, abs=0)
-        assert got["grad_error"] < TOLERANCE, got["grad_error"]
-        assert got["slice"] == (4, 16)  # 4 samples, a quarter of each
+        for name, share in (("2x2", (4, 16)), ("hsdp", (2, 32))):  # samples x their tokens
+            got = rank[name]
+            assert got["loss"][0] == pytest.approx(got["loss"][1], rel=TOLERANCE, abs=0), name
+            assert got["val"][0] == pytest.approx(got["val"][1], rel=TOLERANCE, abs=0), name
+            assert got["grad_error"] < TOLERANCE, (name, got["grad_error"])
+            assert got["slice"] == share, name
 
 
 @pytest.mark.parametrize("overrides, world, key, says", [
