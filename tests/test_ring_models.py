@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from sharding.ring import sample_slice
 from tests.dist import spawn
+from tests.test_sequence_models import _model
 from trainer.models.families import family_named
-from trainer.models.llama import LlamaArgs, build_llama, next_token_loss_sum
-from trainer.models.qwen3 import build_qwen3
+from trainer.models.llama import next_token_loss_sum
 
 BATCH, SEQ, VOCAB, CHUNK = 2, 16, 64, 5
 TOLERANCE = 1e-5
@@ -26,20 +26,15 @@ TOLERANCE = 1e-5
 # borders, so documents span ring places and Ulysses slices).
 POSITIONS = torch.tensor([list(range(5)) + list(range(7)) + list(range(4)),
                           list(range(3)) + list(range(10)) + list(range(3))])
-# name: (arch, query heads, kv heads, packed, chunked head)
-CASES = {"llama_mha": ("llama", 4, 4, False, False),
-         "llama_gqa_packed": ("llama", 4, 2, True, False),
-         "llama_mqa_chunked": ("llama", 4, 1, False, True),
-         "llama_mqa_packed_chunked": ("llama", 4, 1, True, True),
-         "qwen3_gqa_packed_chunked": ("qwen3", 4, 2, True, True)}
-
-
-def _model(arch: str, heads: int, kv_heads: int):
-    torch.manual_seed(0)  # every rank and both copies: the same weights
-    build = build_llama if arch == "llama" else build_qwen3
-    return build(LlamaArgs(dim=32, n_layers=2, n_heads=heads, n_kv_heads=kv_heads,
-                           vocab_size=VOCAB, ffn_hidden=48, max_seq_len=SEQ,
-                           head_width=None if arch == "llama" else 16), device="cpu")
+# name: (arch, query heads, kv heads, packed, chunked head, HF attention implementation)
+CASES = {"llama_mha": ("llama", 4, 4, False, False, None),
+         "llama_gqa_packed": ("llama", 4, 2, True, False, None),
+         "llama_mqa_chunked": ("llama", 4, 1, False, True, None),
+         "llama_mqa_packed_chunked": ("llama", 4, 1, True, True, None),
+         "qwen3_gqa_packed_chunked": ("qwen3", 4, 2, True, True, None),
+         "hf_sdpa": ("hf", 4, 2, False, False, "sdpa"),
+         "hf_sdpa_packed_chunked": ("hf", 4, 2, True, True, "sdpa"),
+         "hf_eager_mqa_packed": ("hf", 4, 1, True, False, "eager")}
 
 
 def _loss(model, tokens, targets, positions, chunked: bool) -> torch.Tensor:
@@ -62,18 +57,18 @@ def _groups(rank: int, sequence: int, context: int):
 
 
 def _case(rank: int, sequence: int, context: int, arch: str, heads: int, kv_heads: int,
-          packed: bool, chunked: bool) -> dict:
+          packed: bool, chunked: bool, implementation: str | None) -> dict:
     generator = torch.Generator().manual_seed(heads * 10 + kv_heads)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     targets[:, ::3] = -100  # unsupervised targets on every share
     positions = POSITIONS if packed else None
 
-    whole = _model(arch, heads, kv_heads)
+    whole = _model(arch, heads, kv_heads, implementation)
     expected = _loss(whole, tokens, targets, positions, chunked)
     expected.backward()
 
-    model = _model(arch, heads, kv_heads)
+    model = _model(arch, heads, kv_heads, implementation)
     group, ring, place = _groups(rank, sequence, context)
     wrapped = family_named(arch).sequence_parallel(model, group, ring)
     mine = [sample_slice(t, *place) if t is not None else None
@@ -112,6 +107,7 @@ def _all(rank: int, world: int, sequence: int, names: tuple) -> dict:
 
 @pytest.fixture(scope="module")
 def context_2() -> list[dict]:
+    pytest.importorskip("transformers")
     return spawn(_all, 2, 1, tuple(CASES))
 
 
@@ -126,7 +122,8 @@ def test_context_2_gives_the_whole_sequence_loss_and_gradients(context_2, name) 
 
 
 def test_sequence_2_by_context_2_gives_the_whole_sequence_loss_and_gradients() -> None:
-    names = ("llama_gqa_packed", "llama_mqa_chunked", "qwen3_gqa_packed_chunked")
+    names = ("llama_gqa_packed", "llama_mqa_chunked", "qwen3_gqa_packed_chunked",
+             "hf_sdpa_packed_chunked", "hf_eager_mqa_packed")
     ranks = spawn(_all, 4, 2, names)
     for place, rank in enumerate(ranks):  # Ulysses pairs adjacent, rings strided over them
         c, s = place // 2, place % 2

@@ -106,23 +106,54 @@ def hf_whole_mask(positions: Optional[torch.Tensor], group: dist.ProcessGroup, s
     return allowed
 
 
-def ring_wrap(group: dist.ProcessGroup) -> Callable[[Attend], Attend]:
+# The HF attention kwarg carrying the ring place's document ids (None: causal) to the ring.
+RING_DOCUMENTS = "blocktrain_ring_documents"
+# An attention's keyword arguments -> (document ids or None, scale or None, dropout)
+RingOptions = Callable[[dict], tuple]
+
+
+def llama_ring_options(options: dict) -> tuple:
+    """The built-in attention's arguments (trainer/models/llama.py): `mask` carries the ring
+    place's document ids under the ring (sliced_rope_and_mask), the scale is SDPA's."""
+    return options.get("mask"), None, options.get("dropout_p", 0.0)
+
+
+def ring_wrap(group: dist.ProcessGroup, options: RingOptions = llama_ring_options
+              ) -> Callable[[Attend], Attend]:
     """A wrap for a family's `wrap_attention`: attention over the ring `group` (sharding/
     ring.py) in place of the wrapped kernel, which it does not call: the ring runs torch's
-    kernels that return the log-sum-exp its merge needs. `mask`: the ring place's document
-    ids [B, T/M] (packed rows; `ring_documents`) or None (causal). Wrapped inside Ulysses'
-    wrap, it sees the ring place's tokens and the Ulysses rank's heads."""
+    kernels that return the log-sum-exp its merge needs. `options` reads the document ids
+    [B, T/M] (packed rows; `ring_documents`) or None (causal), the scale and the dropout
+    from the attention's keyword arguments (the family's: the built-in's or HF's). Wrapped
+    inside Ulysses' wrap, it sees the ring place's tokens and the Ulysses rank's heads."""
     def wrap(current: Attend) -> Attend:
-        def attend(q, k, v, mask=None, dropout_p: float = 0.0, enable_gqa: bool = False):
-            if dropout_p > 0:
-                raise ValueError("ring attention has no attention dropout: set model.dropout=0 "
-                                 "with sharding.context > 1")
-            if mask is not None and mask.dim() != 2:
-                raise ValueError(f"ring attention takes document ids [B, T] as its mask, got "
-                                 f"shape {tuple(mask.shape)}")
-            return ring_attention(q, k, v, group, causal=True, documents=mask)
+        def attend(q, k, v, **kwargs):
+            documents, scale, dropout = options(kwargs)
+            if dropout:
+                raise ValueError("ring attention has no attention dropout: set the model's "
+                                 "attention dropout to 0 with sharding.context > 1")
+            if documents is not None and documents.dim() != 2:
+                raise ValueError(f"ring attention takes document ids [B, T] for packed rows, "
+                                 f"got shape {tuple(documents.shape)}")
+            return ring_attention(q, k, v, group, causal=True, scale=scale,
+                                  documents=documents)
         return attend
     return wrap
+
+
+def hf_ring_kwargs(tokens: torch.Tensor, positions: Optional[torch.Tensor],
+                   sequence_group: Optional[dist.ProcessGroup],
+                   context_group: dist.ProcessGroup) -> dict:
+    """HF's keyword arguments for this rank's share under the ring: the true positions of its
+    tokens (rotary angles) and the ring place's document ids (None: unpacked, causal), which
+    the ring reads instead of HF's share-sized mask (trainer/models/hf.py's ring_options)."""
+    if positions is not None:
+        return {"position_ids": positions,
+                RING_DOCUMENTS: ring_documents(positions, sequence_group, context_group)}
+    s_rank, n = group_place(sequence_group)
+    c_rank, m = group_place(context_group)
+    at = sample_positions(tokens.shape[1] * n * m, c_rank, m, s_rank, n, tokens.device)
+    return {"position_ids": at.expand(tokens.shape[0], -1), RING_DOCUMENTS: None}
 
 
 def ring_documents(positions: torch.Tensor, sequence_group: Optional[dist.ProcessGroup],
