@@ -15,7 +15,7 @@ import pytest
 
 from tests.dist import spawn
 from tests.helpers import config
-from tests.test_sequence_runs import _compare, chat
+from tests.test_sequence_runs import HF_LLAMA, _compare, chat
 from trainer.config import ConfigError
 from trainer.validate import validate
 
@@ -47,11 +47,13 @@ def work(tmp_path_factory) -> Path:
 def _two_ranks(rank: int, world: int, work: str) -> dict:
     llama = [*chat(Path(work)), "model.dropout=0.0"]
     qwen3 = [*llama, "model=qwen3_tiny", "model.dropout=0.0"]
+    hf = [*chat(Path(work)), "model=hf", HF_LLAMA]
     tokens = ["data=synthetic", "data.seq_len=64", "model.dropout=0.0", "data.val_fraction=0.2",
               "logging.wandb=false", "logging.progress=false", "train.global_batch_size=4"]
     pairs = {"packed-chunked": ([*llama, *RING, *CHUNKED], [*llama, *ONE, *CHUNKED]),
              "packed-plain": ([*llama, *RING], [*llama, *ONE]),
              "tokens-mean": ([*tokens, *RING], [*tokens, *ONE]),
+             "hf-packed-chunked": ([*hf, *RING, *CHUNKED], [*hf, *ONE, *CHUNKED]),
              "qwen3-tiles-full": ([*qwen3, *RING, "checkpointing=full", "checkpointing.tiles=2",
                                    *CHUNKED], [*qwen3, *ONE, *CHUNKED])}
     for policy in POLICIES:  # against context=2 without checkpointing: bit for bit
@@ -66,7 +68,7 @@ def two_ranks(work) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", ["packed-chunked", "packed-plain", "tokens-mean",
-                                  "qwen3-tiles-full"])
+                                  "hf-packed-chunked", "qwen3-tiles-full"])
 def test_context_2_matches_one_rank_per_sample(two_ranks, name) -> None:
     for rank in two_ranks:
         got = rank[name]
@@ -119,6 +121,10 @@ def test_sequence_2_by_context_2_and_hsdp_rings_on_four_ranks(work) -> None:
     (["sharding.context=2", "model=vit_tiny", "data=synthetic_images"], 2, "sharding.context",
      "model.arch=vit has no ring attention"),
     (["sharding.context=0"], 2, "sharding.context", "must be a positive integer"),
+    (["sharding.context=2", "model=hf", HF_LLAMA[:-1] + ", attention_dropout: 0.1}"], 2,
+     "model.hf_config", "attention_dropout=0.1: ring attention"),
+    (["sharding.context=2", "model=hf", HF_LLAMA, "model.attn_implementation=flex_attention"],
+     2, "model.attn_implementation", "'flex_attention' cannot run through the ring"),
 ])
 def test_bad_context_settings_name_the_key(overrides, world, key, says) -> None:
     cfg = config("model.dropout=0.0", "data.seq_len=64", *overrides)
