@@ -54,6 +54,9 @@ def _two_ranks(rank: int, world: int, work: str) -> dict:
              "packed-plain": ([*llama, *RING], [*llama, *ONE]),
              "tokens-mean": ([*tokens, *RING], [*tokens, *ONE]),
              "hf-packed-chunked": ([*hf, *RING, *CHUNKED], [*hf, *ONE, *CHUNKED]),
+             # torch.compile of each block (aot_eager here) with the ring inside
+             "compiled-full": ([*llama, *RING, "checkpointing=full", "train.compile=true",
+                                "train.compile_backend=aot_eager"], [*llama, *ONE]),
              "qwen3-tiles-full": ([*qwen3, *RING, "checkpointing=full", "checkpointing.tiles=2",
                                    *CHUNKED], [*qwen3, *ONE, *CHUNKED])}
     for policy in POLICIES:  # against context=2 without checkpointing: bit for bit
@@ -68,7 +71,7 @@ def two_ranks(work) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", ["packed-chunked", "packed-plain", "tokens-mean",
-                                  "hf-packed-chunked", "qwen3-tiles-full"])
+                                  "hf-packed-chunked", "qwen3-tiles-full", "compiled-full"])
 def test_context_2_matches_one_rank_per_sample(two_ranks, name) -> None:
     for rank in two_ranks:
         got = rank[name]
