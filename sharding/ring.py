@@ -204,6 +204,27 @@ class RingExchange:
         return parts
 
 
+class MetaRingExchange:
+    """One rank's view of a ring of `size` on the meta device, without a process group: what
+    arrives is an allocation of the sent shape, so the memory model's trace runs the ring's
+    own code and sees its buffers byte for byte (the key/value block in flight beside the one
+    attended: double-buffered; the travelling dK/dV in backward). Counts the bytes this rank
+    sends to its neighbour (`sent_bytes`; forward K/V, backward K/V and their gradients)."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        if size < 2:
+            raise ValueError(f"a meta ring needs >= 2 ranks, got {size}")
+        self.size, self.rank, self.sent_bytes = size, rank, 0
+
+    def start(self, send: torch.Tensor):
+        self.sent_bytes += send.nbytes
+        received = torch.empty_like(send)
+        return lambda: received
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.empty_like(x) for _ in range(self.size)]
+
+
 # --- attention over one block, and the merge --------------------------------------------
 
 def _attend(kernel, q, k, v, mask, causal, scale):
@@ -269,7 +290,7 @@ def _unpack(buffer: torch.Tensor, *like: torch.Tensor) -> list[torch.Tensor]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, exchange: RingExchange, layout: _Layout, scale: float):
+    def forward(ctx, q, k, v, exchange, layout: _Layout, scale: float):
         kernel = kernel_for(q.device)
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
@@ -344,8 +365,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     q [B, H, T/M, D], k and v [B, KV heads, T/M, D]: this rank's tokens (`balanced_slice`) of a
     ring of M = the group's size; returns its tokens' output [B, H, T/M, D]. `documents`
     [B, T/M]: the tokens' document ids for packed rows (attention stays in a document; ids must
-    be the same across the ring for the same document)."""
-    exchange = RingExchange(group)
+    be the same across the ring for the same document). `group`: a process group, or an
+    exchange (RingExchange, or the meta trace's MetaRingExchange)."""
+    exchange = (group if isinstance(group, (RingExchange, MetaRingExchange))
+                else RingExchange(group))
     docs = exchange.gather(documents) if documents is not None else None
     if causal and q.shape[2] % 2:
         raise ValueError(f"a balanced ring slice holds two equal chunks; {q.shape[2]} tokens "

@@ -187,6 +187,11 @@ class MetaProfile:
     # Sequence parallelism: bytes one rank sends per block forward in Ulysses' all-to-alls
     # (the meta exchange the caller wrapped the model's attention with); 0 without.
     sent_bytes_per_block: int = 0
+    # Ring attention (sharding.context): bytes one rank sends its neighbour per block, in the
+    # forward (the K/V blocks) and the backward (the K/V blocks again and their fp32
+    # gradients), through the meta ring the caller wrapped attention with; 0 without.
+    ring_sent_bytes_per_block: int = 0
+    ring_backward_bytes_per_block: int = 0
 
     @property
     def before_blocks_bytes(self) -> int:

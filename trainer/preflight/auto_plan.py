@@ -133,14 +133,20 @@ def with_sequence_costs(timing: Timing, profile, scenario: Scenario,
     Tiles: the tiled MLP's forward once more in backward (its FLOPs at `seconds_per_flop`).
     Ulysses: the bytes a rank sends per block forward (measured on meta) over a nominal
     all-to-all bandwidth (NOMINAL_ALL_TO_ALL_BYTES_PER_S, nothing measured or overlapped): twice
-    per block (forward, backward), and once more for a block that recomputes."""
+    per block (forward, backward), and once more for a block that recomputes. The ring
+    (sharding.context): its forward and backward sends (measured on meta) over the same
+    nominal rates, not overlapped with attention (an upper bound; `ring_seconds`)."""
     degree = scenario.layout.degree
     inside = "node" if degree <= scenario.gpus_per_node else "network"
     exchange = profile.sent_bytes_per_block / NOMINAL_ALL_TO_ALL_BYTES_PER_S[inside]
-    compute = tuple(c + m.tile_flops * seconds_per_flop + 2 * exchange
+    from trainer.preflight.exchange import ring_seconds
+
+    ring_forward, ring_backward, _ = ring_seconds(profile, scenario)
+    compute = tuple(c + m.tile_flops * seconds_per_flop + 2 * exchange + ring_forward
+                    + ring_backward
                     for c, m in zip(timing.block_compute, profile.blocks, strict=True))
-    cost = tuple({o: s + (exchange if o != "none" else 0.0) for o, s in c.items()}
-                 for c in timing.block_cost)
+    cost = tuple({o: s + (exchange + ring_forward if o != "none" else 0.0)
+                  for o, s in c.items()} for c in timing.block_cost)
     return dataclasses.replace(timing, block_cost=cost, block_compute=compute)
 
 
@@ -158,8 +164,9 @@ def rest_flops(cfg: Config, profile, degree: int = 1) -> float:
         head = set(profile.head.grad_param_names)
         matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
         total -= 6 * matmul * tokens * (1 - task.meta_fraction)
-    # A rank of a sequence group computes 1/N of each sample (its tokens, its heads).
-    total /= degree
+    # A rank of a sequence group computes 1/N of each sample (its tokens, its heads), and
+    # 1/M more of it in a ring of M (sharding.context).
+    total /= degree * cfg.sharding.context
     blocks = 3 * sum(m.forward_flops for m in profile.blocks)
     return max(0.0, total * cfg.train.micro_batch_size - blocks)
 

@@ -33,7 +33,8 @@ from trainer.build import build_on_meta, find_model_blocks
 from sharding.layout import Layout
 from trainer.config import Config, ConfigError, tile_count
 from trainer.distenv import DistEnv
-from trainer.preflight.scenario import Evaluator, Scenario, one_rank_of_sequence
+from trainer.preflight.scenario import (Evaluator, Scenario, one_rank_of_sequence,
+                                        rank_share)
 from trainer.task import task_for
 
 log = logging.getLogger("trainer")
@@ -73,8 +74,9 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
         one_rank_of_sequence(cfg, model, degree, tile_count(cfg.checkpointing))
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         inputs, targets = task.example(cfg.train.micro_batch_size)
-        if degree > 1:  # this rank's slice of each row (a language model's tokens)
-            inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
+        share = rank_share(cfg, degree)
+        if share > 1:  # this rank's share of each row (a language model's tokens)
+            inputs, targets = (t[:, :t.shape[1] // share] for t in (inputs, targets))
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, device,
                                   resolve_ops(cfg.checkpointing.save_ops), repeats)

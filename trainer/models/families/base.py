@@ -202,6 +202,20 @@ class Family:
         raise NotImplementedError(f"model.arch={self.arch} has no sequence parallelism")
 
     # Ring attention (sharding.context, sharding/ring.py).
+    def ring_options(self) -> Optional[Callable[[dict], tuple]]:
+        """How the ring reads this family's attention keyword arguments (document ids, scale,
+        dropout; trainer/models/sequence_parallel.py's ring_wrap); None: the built-in's."""
+        return None
+
+    def wrap_ring(self, model: nn.Module, group_or_exchange) -> int:
+        """Every attention of `model` through the ring over a process group (sequence_parallel)
+        or the meta trace's MetaRingExchange (trainer/preflight/scenario.py), one code path
+        for both; wrap Ulysses around it after. Returns the attention modules wrapped."""
+        from trainer.models.sequence_parallel import llama_ring_options, ring_wrap
+
+        return self.wrap_attention(model, ring_wrap(group_or_exchange,
+                                                    self.ring_options() or llama_ring_options))
+
     def check_context(self, m: ModelConfig, context: int, compiled: bool = False) -> None:
         """Without torch (trainer/validate.py): refuse, naming the key, a context degree > 1
         this family's model or attention cannot run through the ring."""

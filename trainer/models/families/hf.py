@@ -125,6 +125,12 @@ class HFCausalLM(LanguageModel):
                                   f"{fields[name]}, which ring attention does not apply; set "
                                   "sharding.context=1 (sharding.sequence serves it)")
 
+    def ring_options(self) -> Callable[[dict], tuple]:
+        """HF's scaling, dropout and the ring place's document ids (trainer/models/hf.py)."""
+        from trainer.models.hf import ring_options
+
+        return ring_options
+
     def ulysses_options(self) -> Callable[[dict, int, int, int], dict]:
         """HF's slice-sized mask and positions give way to the whole sequence's
         (trainer/models/hf.py's ulysses_options)."""
@@ -148,8 +154,6 @@ class HFCausalLM(LanguageModel):
         the ring place's document ids) inside Ulysses' wrap. Returns the attention modules
         wrapped."""
         from sharding.sequence import GroupExchange
-        from trainer.models.hf import ring_options
-        from trainer.models.sequence_parallel import ring_wrap
 
         implementation = model.hf.config._attn_implementation
         if implementation not in HF_IMPLEMENTATIONS:
@@ -157,7 +161,7 @@ class HFCausalLM(LanguageModel):
                               f"sequence-parallel; use one of {', '.join(HF_IMPLEMENTATIONS)}")
         wrapped = 0
         if context_group is not None:  # the ring first, Ulysses' wrap around it
-            wrapped = self.wrap_attention(model, ring_wrap(context_group, ring_options))
+            wrapped = self.wrap_ring(model, context_group)
             model.context_group = context_group
         if group is not None:
             wrapped = self.wrap_ulysses(model, GroupExchange(group))

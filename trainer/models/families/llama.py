@@ -115,13 +115,12 @@ class Llama(LanguageModel):
         Ulysses group splitting that pair (sharding/ring.py's sample_slice), and the ring
         attends across places. Returns the attention modules wrapped."""
         from sharding.sequence import GroupExchange
-        from trainer.models.sequence_parallel import ring_wrap
 
         wrapped = 0
         # The ring first: Ulysses' wrap goes around it (its all-to-all gathers the ring
         # place's tokens for the ring, which attends over the ring's M places).
         if context_group is not None:
-            wrapped = self.wrap_attention(model, ring_wrap(context_group))
+            wrapped = self.wrap_ring(model, context_group)
             model.context_group = context_group
         if group is not None:
             wrapped = self.wrap_ulysses(model, GroupExchange(group))
