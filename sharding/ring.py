@@ -138,7 +138,9 @@ class CudaEfficient:
 
 
 def kernel_for(device: torch.device):
-    return CudaEfficient if device.type == "cuda" else CpuFlash
+    """CUDA's kernel on CUDA, and on meta (the memory model's trace, which predicts a GPU run:
+    its shapes, and FLOPs torch's counter knows, which it does not for the CPU kernel)."""
+    return CudaEfficient if device.type in ("cuda", "meta") else CpuFlash
 
 
 # --- one step's shape -------------------------------------------------------------------
