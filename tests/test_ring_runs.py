@@ -142,3 +142,32 @@ def test_context_2_halves_the_data_groups() -> None:
     assert (layout.share, layout.data_size, layout.grad_accum) == (4, 2, 2)
     assert [(layout.data_rank(r), layout.context_rank(r), layout.sequence_rank(r))
             for r in range(8)] == [(r // 4, (r // 2) % 2, r % 2) for r in range(8)]
+
+
+def test_a_run_resumes_across_degrees_and_world_sizes(work, tmp_path) -> None:
+    """A run saved at step 2 with context=2 on 2 ranks, resumed at sequence=2 (2 ranks) to
+    step 3, then on 1 rank to step 4: the losses and validation losses of the run that never
+    stopped (the global batch fixed: the same samples)."""
+    from tests.helpers import QUICK, check_ok, losses, read_metrics, run_trainer
+
+    run = [*QUICK, *chat(work), "model.dropout=0.0", "train.steps=4", "save.every=2",
+           "optim.lr=3e-3"]
+    ring = ["sharding.context=2", "train.micro_batch_size=1", "train.eval_batches=4"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    check_ok(run_trainer([*run, *ring, f"hydra.run.dir={whole}"], tmp_path, nproc=2))
+    for step, degrees in ((2, ring), (3, ["sharding.sequence=2", "train.micro_batch_size=1",
+                                          "train.eval_batches=4"])):
+        stopped = run_trainer([*run, *degrees, f"train.stop_at_step={step}",
+                               f"hydra.run.dir={split}"], tmp_path, nproc=2)
+        said = stopped.stderr + stopped.stdout
+        assert f"stopping (train.stop_at_step): saved step {step}" in said, said[-3000:]
+    check_ok(run_trainer([*run, "train.micro_batch_size=4", "train.eval_batches=1",
+                          f"hydra.run.dir={split}"], tmp_path, nproc=1))
+    assert len(losses(split)) == 4
+    assert losses(split) == pytest.approx(losses(whole), rel=TOLERANCE, abs=0)
+    log = (split / "train.log").read_text()
+    assert "sharding.context=2->1" in log and "sharding.sequence=1->2" in log
+    assert "saved by 2 ranks, resumed on 1" in log
+    evaluated = [m["val_loss"] for m in read_metrics(split) if "val_loss" in m]
+    assert evaluated == pytest.approx([m["val_loss"] for m in read_metrics(whole)
+                                       if "val_loss" in m], rel=TOLERANCE, abs=0)

@@ -65,7 +65,7 @@ class RunRecord:
         return {"progress": dataclasses.asdict(progress), "scheduler": scheduler.state_dict(),
                 "world_size": self.layout.world_size,
                 "global_batch_size": self.layout.global_batch_size,
-                "sequence": self.layout.degree,
+                "sequence": self.layout.degree, "context": self.layout.context,
                 "seq_len": self.cfg.data.seq_len, "data_seed": self.cfg.train.seed,
                 "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg),
                 "data": None if self.data is None else self.data.record()}
@@ -116,7 +116,10 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
     if loaded is None:
         return None
     state = loaded.state
-    data.check_resume(state["world_size"], state["global_batch_size"], state.get("sequence", 1))
+    # Ranks that shared each sample then (sequence x context): any (N', M') and world size
+    # resume, the parameters and optimizer state being whole-model (resharded on load).
+    saved_share = state.get("sequence", 1) * state.get("context", 1)
+    data.check_resume(state["world_size"], state["global_batch_size"], saved_share)
     progress = restore(loaded, model.scheduler)
     notes = [f"resumed from {loaded.path} (step {progress.step}, batch {progress.batch_index})"]
     changed_data = data.continue_from(state.get("data"), cfg.data.on_change,
@@ -140,8 +143,8 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
         notes.append(f"global batch {state['global_batch_size']} x {state['seq_len']} tokens "
                      f"became {layout.global_batch_size} x {cfg.data.seq_len}: the data order "
                      "from here differs from the original run's")
-    was = _val_samples(state["config"], state["world_size"], state.get("sequence", 1))
-    is_ = _val_samples(dataclasses.asdict(cfg), layout.world_size, layout.sequence)
+    was = _val_samples(state["config"], state["world_size"], saved_share)
+    is_ = _val_samples(dataclasses.asdict(cfg), layout.world_size, layout.share)
     if was is not None and is_ is not None and was != is_:
         notes.append(f"validation is {is_} samples now, {was} before (train.eval_batches x "
                      "micro-batch x data-parallel groups): val_loss from here is not comparable "
