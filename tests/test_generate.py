@@ -141,8 +141,8 @@ def test_bad_input_is_one_line_and_exit_2(hf_run, tmp_path, capsys) -> None:
 
 
 def test_builtin_llama_export_loads_in_transformers_with_our_logits(tmp_path) -> None:
-    """The built-in Llama exported in transformers' Llama format (helper families' mapping,
-    issue 43 item 4) gives our logits and greedy tokens; data=bytes: the byte tokenizer."""
+    """The built-in Llama exported in transformers' Llama format (issue 43 item 4) gives our
+    logits and greedy tokens; data=bytes: the byte tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir, out = tmp_path / "run", tmp_path / "export"
@@ -150,9 +150,7 @@ def test_builtin_llama_export_loads_in_transformers_with_our_logits(tmp_path) ->
     assert export_main([str(run_dir), "--out", str(out)]) == 0
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok("def f", add_special_tokens=False)["input_ids"] == list(b"def f")
-    if "model_type" not in json.loads((out / "config.json").read_text()):
-        pytest.skip("the built-in Llama's export in transformers' format (Family.export, helper "
-                    "families, issue 43 item 4) has not landed on this branch")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     prompt = list(b"def main(")
     tokens = torch.tensor([prompt])
