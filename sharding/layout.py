@@ -138,13 +138,16 @@ class Layout:
         return (f"sequence groups {self.data_size} of {ranks}, each rank "
                 f"1/{self.share} of every sample's tokens")
 
-    def decided(self, sequence: int, micro_batch: int) -> "Layout":
-        """The layout once `auto` has chosen the degree and the micro-batch: made anew, as
-        validation makes one, so the gradient accumulation follows them."""
+    def decided(self, sequence: int, micro_batch: int,
+                context: Optional[int] = None) -> "Layout":
+        """The layout once `auto` has chosen the degree (and the ring: `context`, None: as it
+        is) and the micro-batch: made anew, as validation makes one, so the gradient
+        accumulation follows them."""
         replicate = self.replicate if self.mode == "hsdp" else None
         return make_layout(self.mode, self.world_size, replicate, sequence, micro_batch,
                            1 if self.global_batch is not None else self.grad_accum,
-                           self.global_batch, context=self.context)
+                           self.global_batch,
+                           context=self.context if context is None else context)
 
     def per_rank_samples(self) -> int:
         """The global batch's samples each sequence group reads per step, at the degree

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 
 from tests.test_sequence_plan import TINY, _scenario
-from trainer.preflight.auto_plan import flop_timing, sequence_shapes
+from trainer.preflight.auto_plan import auto_table, decide, flop_timing, sequence_shapes
 from trainer.preflight.exchange import exchange_lines, exchange_summary
 from trainer.preflight.longest import step_of
+from trainer.preflight.splits import sample_splits
 from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, Evaluator, Scenario
 
 # tiny: dim 128, 4 heads of 32, 2 KV heads, fp32, 4 blocks; data.seq_len=1024
@@ -63,7 +64,35 @@ def test_the_step_time_and_the_report_carry_the_rings_sends() -> None:
 
 def test_auto_and_longest_keep_the_rings_chunks() -> None:
     scenario = _scenario(TINY + ["sharding.sequence=auto", "sharding.context=2"], world=8)
-    # N x 2 divides the world, 2 x N x 2 the length
-    assert sequence_shapes(scenario.cfg, scenario.layout) == [(1, 1), (2, 1), (4, 1)]
+    # a ring of 2 set: N x 2 divides the world, 2 x N x 2 the length
+    assert sequence_shapes(scenario.cfg, scenario.layout) == [(1, 2, 1), (2, 2, 1), (4, 2, 1)]
     fixed = _scenario(TINY + ["sharding.sequence=2", "sharding.context=4"], world=8)
     assert step_of(fixed, 1000) == 2000  # lcm(1000, sequence 2 x 2 x context 4 = 16)
+
+
+def test_auto_splits_ulysses_inside_a_node_and_the_heads_and_rings_the_rest() -> None:
+    # tiny has 4 heads; 16 ranks in 4 nodes of 4 (Scenario's gpus_per_node)
+    scenario = _scenario(TINY + ["sharding.sequence=auto"], world=16)
+    assert sample_splits(scenario.cfg, scenario.layout, 4) == [
+        (1, 1), (2, 1), (4, 1), (4, 2), (4, 4)]
+    assert sample_splits(scenario.cfg, scenario.layout, 2) == [
+        (1, 1), (2, 1), (2, 2), (2, 4), (2, 8)]  # Ulysses kept in nodes of 2
+    # A model the ring cannot serve (attention dropout) stops at what Ulysses reaches.
+    dropout = _scenario(TINY[1:] + ["model.dropout=0.1", "sharding.sequence=auto"], world=16)
+    assert sample_splits(dropout.cfg, dropout.layout, 4) == [(1, 1), (2, 1), (4, 1)]
+
+
+def test_auto_chooses_the_ring_when_ulysses_alone_does_not_fit() -> None:
+    evaluator = Evaluator(400)
+    tiny = [t for t in TINY if not t.startswith("data.seq_len")] + ["data.seq_len=4096"]
+    alone = evaluator.evaluate(_scenario(tiny + ["sharding.sequence=2"], world=8))
+    ring = evaluator.evaluate(_scenario(tiny + ["sharding.sequence=2", "sharding.context=2"],
+                                        world=8))
+    capacity = (alone.estimate.peak.total + ring.estimate.peak.total) // 2
+    scenario = _scenario(tiny + ["sharding.sequence=auto"], world=8)
+    nodes_of_2 = Scenario(scenario.cfg, scenario.layout, 2)
+    decision = decide(scenario.cfg, nodes_of_2, evaluator, capacity, flop_timing(evaluator))
+    assert (decision.sequence, decision.context) == (2, 2)
+    refused = [(c.sequence, c.context) for c in decision.candidates if c.plan == "refused"]
+    assert refused == [(1, 1), (2, 1)]
+    assert " ctx " in auto_table(decision).splitlines()[0]
