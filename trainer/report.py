@@ -215,8 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                             for s in advice],
             "auto": None if decision is None else {
                 "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
-                "sequence": decision.sequence, "context": decision.context,
-                "tiles": decision.tiles,
+                "sequence": decision.sequence, "context": decision.context, "tiles": decision.tiles,
                 "predicted_step_s": decision.step_s, "candidates": auto_rows(decision)}}
     with open(os.path.join(out, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
