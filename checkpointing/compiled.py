@@ -18,11 +18,23 @@ first one's cache entry.
 block under the plan's `memory_budget` (torch._functorch.config.activation_memory_budget). That
 setting is read when a graph is compiled, and dynamo does not guard on it, so a graph compiled
 under one budget would be reused under another: each budget gets its own code object.
+
+One entry function per kind of block: dynamo keeps its compiled graphs per code object and
+allows only `recompile_limit` (8) of them each. Compiling every block through one shared
+function (the checkpoint wrapper's, or the block class's own forward) let a model with many
+kinds of blocks (recompute option, budget, shapes) -- or a process that builds many models --
+reach that limit; past it dynamo runs the function eagerly but still runs graphs cached on the
+functions it calls, so an eager selective checkpoint could run a compiled graph inside its
+recompute and fail in backward ("Trying to backward an extra time"). Here each kind (block
+class, parameter shapes, recompute option, budget, tiles) calls through a function with a code
+object of its own, so a code object only ever sees the blocks that share one graph, and
+nothing compiles the block's own forward as an entry.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -30,20 +42,32 @@ from torch import nn
 
 from checkpointing.plan import BlockPlan
 
-_BUDGET_FORWARDS: dict[float, Callable] = {}
+# (block kind, memory budget) -> the entry function its blocks are compiled through.
+_ENTRIES: dict[tuple, Callable] = {}
 
 
-def _under_budget(original: Callable, *args, **kwargs):
-    return original(*args, **kwargs)
+def _enter(forward: Callable, *args, **kwargs):
+    return forward(*args, **kwargs)
 
 
-def _forward_for(budget: float) -> Callable:
-    """A function like _under_budget with a code object of its own for this budget."""
-    if budget not in _BUDGET_FORWARDS:
-        code = _under_budget.__code__.replace(co_name=f"block_under_memory_budget_{budget:g}")
-        _BUDGET_FORWARDS[budget] = type(_under_budget)(code, _under_budget.__globals__,
-                                                       code.co_name)
-    return _BUDGET_FORWARDS[budget]
+def _block_kind(block: nn.Module) -> tuple:
+    """What decides a block's graph: its class, parameter shapes, recompute option and tiles."""
+    params = tuple((name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for name, p in block.named_parameters())
+    tiles = tuple(getattr(m, "_blocktrain_tiles", 1) for m in block.modules())
+    recompute = getattr(block, "_blocktrain_recompute", None) or "none"
+    return type(block).__module__, type(block).__qualname__, recompute, params, tiles
+
+
+def entry_for(kind: tuple, memory_budget: Optional[float]) -> Callable:
+    """A function like _enter with a code object of its own for this kind of block."""
+    key = (kind, memory_budget)
+    if key not in _ENTRIES:
+        label = kind[2] if memory_budget is None else f"compiler_budget_{memory_budget:g}"
+        name = f"blocktrain_{label}_block_{len(_ENTRIES)}"
+        code = _enter.__code__.replace(co_name=name, co_qualname=name)
+        _ENTRIES[key] = types.FunctionType(code, _enter.__globals__, name)
+    return _ENTRIES[key]
 
 
 def _with_budget(compiled: Callable, budget: float, *args, **kwargs):
@@ -54,24 +78,16 @@ def _with_budget(compiled: Callable, budget: float, *args, **kwargs):
         return compiled(*args, **kwargs)
 
 
-def _compiled(forward: Callable, backend: str, dynamic: Optional[bool]) -> Callable:
-    if isinstance(forward, functools.partial):
-        # Compile the function and bind its arguments outside: a compiled partial runs through
-        # one dynamo wrapper shared by every partial, whose cache every kind of block would
-        # fill, up to dynamo's recompile limit.
-        return functools.partial(torch.compile(forward.func, backend=backend, dynamic=dynamic),
-                                 *forward.args, **forward.keywords)
-    return torch.compile(forward, backend=backend, dynamic=dynamic)
-
-
 def compile_block(block: nn.Module, backend: str, memory_budget: Optional[float] = None) -> None:
-    if memory_budget is None:
-        block.forward = _compiled(block.forward, backend, None)
-    else:
-        # Fixed shapes: a dynamic-shape graph made under one budget must not serve another shape.
-        forward = functools.partial(_forward_for(memory_budget), block.forward)
-        block.forward = functools.partial(_with_budget, _compiled(forward, backend, False),
-                                          memory_budget)
+    entry = entry_for(_block_kind(block), memory_budget)
+    # Under a budget, fixed shapes: a dynamic-shape graph made under one budget must not serve
+    # another shape. The block's forward (checkpointed or not) is an argument the graph inlines.
+    compiled = torch.compile(entry, backend=backend,
+                             dynamic=None if memory_budget is None else False)
+    forward = functools.partial(compiled, block.forward)
+    if memory_budget is not None:
+        forward = functools.partial(_with_budget, forward, memory_budget)
+    block.forward = forward
     block._blocktrain_compiled = backend
 
 

@@ -44,22 +44,29 @@ def tile_sizes(length: int, tiles: int) -> list[int]:
 # draws its dropout masks from inductor's generator, the recompute in backward from eager's, and
 # the two would differ (wrong gradients without an error).
 @torch.compiler.disable
-def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, num_tiles: int,
-          params: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+def tiled(fn: Callable[..., torch.Tensor], x: torch.Tensor, num_tiles: int,
+          params: Sequence[torch.Tensor], dim: int = 1,
+          aligned: Sequence[tuple[torch.Tensor, int]] = ()) -> torch.Tensor:
     """fn(x) computed over `num_tiles` slices of `dim` (uneven sizes allowed: see tile_sizes).
 
     fn must be token-wise along `dim` (each output slice depends on the same input slice only)
     and keep that dim's size. params: the tensors fn reads that need gradients (a module's
-    parameters at call time); their gradients are summed over the tiles.
+    parameters at call time); their gradients are summed over the tiles. aligned: (tensor, its
+    token dim) pairs that need no gradient, sliced like x and passed after it (rotary tables:
+    fn(x_tile, cos_tile, sin_tile)).
     """
     sizes = tile_sizes(x.shape[dim], num_tiles)
-    return _Tiled.apply(fn, tuple(sizes), dim % x.dim(), x, *params)
+    return _Tiled.apply(fn, tuple(sizes), dim % x.dim(), tuple(aligned), x, *params)
+
+
+def _aligned(aligned: tuple, offset: int, size: int) -> list[torch.Tensor]:
+    return [t.narrow(d, offset, size) for t, d in aligned]
 
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn: Callable, sizes: tuple[int, ...], dim: int, x: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, fn: Callable, sizes: tuple[int, ...], dim: int, aligned: tuple,
+                x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         # Runs without autograd (as every Function.forward does): only each tile's output
         # lives, copied into the one output tensor.
         out: Optional[torch.Tensor] = None
@@ -70,7 +77,7 @@ class _Tiled(torch.autograd.Function):
         source = x.detach()
         for size in sizes:
             states.append(_rng_state(x.device))
-            piece = fn(source.narrow(dim, offset, size))
+            piece = fn(source.narrow(dim, offset, size), *_aligned(aligned, offset, size))
             if len(sizes) == 1:
                 out = piece
                 break
@@ -80,7 +87,7 @@ class _Tiled(torch.autograd.Function):
                 out = piece.new_empty(shape)
             out.narrow(dim, offset, size).copy_(piece)
             offset += size
-        ctx.fn, ctx.sizes, ctx.dim, ctx.states = fn, sizes, dim, states
+        ctx.fn, ctx.sizes, ctx.dim, ctx.states, ctx.aligned = fn, sizes, dim, states, aligned
         # The parameters are held, not saved: saved tensors would pass through the offload
         # hooks, and FSDP2 refills these very tensors before backward.
         ctx.params = params
@@ -90,8 +97,8 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        want_x = ctx.needs_input_grad[3]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        want_x = ctx.needs_input_grad[4]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
         params = [ctx.params[i] for i in wanted]
         whole = len(ctx.sizes) == 1  # one tile: its input gradient is the whole one
         grad_x = torch.empty_like(x) if want_x and not whole else None
@@ -100,7 +107,7 @@ class _Tiled(torch.autograd.Function):
         for size, state in zip(ctx.sizes, ctx.states):
             tile = x.narrow(ctx.dim, offset, size).detach().requires_grad_(want_x)
             with torch.enable_grad(), _restored_rng(state, x.device):
-                piece = ctx.fn(tile)
+                piece = ctx.fn(tile, *_aligned(ctx.aligned, offset, size))
             inputs = [tile, *params] if want_x else params
             grads = torch.autograd.grad(piece, inputs, grad_out.narrow(ctx.dim, offset, size),
                                         allow_unused=True)
@@ -121,7 +128,7 @@ class _Tiled(torch.autograd.Function):
         param_grads: list[Optional[torch.Tensor]] = [None] * len(ctx.params)
         for i, total in zip(wanted, sums):
             param_grads[i] = None if total is None else total.to(ctx.params[i].dtype)
-        return (None, None, None, grad_x, *param_grads)
+        return (None, None, None, None, grad_x, *param_grads)
 
 
 def _accumulate(total: Optional[torch.Tensor], grad: Optional[torch.Tensor]):

@@ -365,6 +365,9 @@ def _report(check: Check, out: str) -> None:
     with open(os.path.join(out, "gpu_check.md"), "w") as f:
         f.write(markdown)
     print(markdown)
+    long_line = gpu_table.long_row_line(check.result)
+    if long_line is not None:  # issue 44's check of the long-sequence prediction, on its own
+        print(f"[gpu_check] {long_line}")
     print(f"[gpu_check] wrote {os.path.join(out, 'gpu_check.json')} and gpu_check.md; "
           "time per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in
                                          check.result["seconds"].items())

@@ -88,6 +88,26 @@ def compare_predictions(predicted: dict, rows: dict, device: str) -> dict:
     return out
 
 
+LONG_ROW = "long: tiles + offload + chunked"  # launch/gpu_bench.py's (torch-free here)
+LONG_TARGET = "long row: the report's predicted peak within 10% of max_memory_allocated"
+
+
+def long_row_line(result: dict) -> Optional[str]:
+    """The long row's measured max_memory_allocated against the report's prediction, as one
+    line with the ratio (goal: within 10%); None when the long row has no comparison."""
+    row = result["stages"].get("bench", {}).get("rows", {}).get(LONG_ROW, {})
+    p = result["stages"].get("predict", {}).get("rows", {}).get(LONG_ROW, {})
+    if "ratio" not in p:
+        return None
+    measured, predicted = p["measured_peak"], p["predicted_peak"]
+    where = ("max_memory_allocated" if result.get("mode") == "gpu"
+             else "peak RSS (CPU smoke: the process, not tensors)")
+    return (f"long row ({row.get('seq_len', '?')} tokens, micro-batch "
+            f"{row.get('micro_batch', '?')}): measured {where} {measured / GIB:.2f} GiB, "
+            f"predicted {predicted / GIB:.2f} GiB, predicted/measured {p['ratio']:.3f} "
+            f"({'within' if abs(p['ratio'] - 1) <= 0.10 else 'NOT within'} the 10% goal)")
+
+
 def targets(result: dict) -> list[tuple[str, Optional[bool], str]]:
     """(target, met?, the figures) for G1, G2 and the prediction; None: no figure to judge."""
     bench = result["stages"].get("bench", {})
@@ -128,6 +148,9 @@ def targets(result: dict) -> list[tuple[str, Optional[bool], str]]:
                         auto["tokens_per_s"] >= 0.98 * uniform[best],
                         f"auto {auto['tokens_per_s']:,.0f} tokens/s, {best} "
                         f"{uniform[best]:,.0f}"))
+    long_line = long_row_line(result)
+    if long_line is not None and result.get("mode") == "gpu":
+        out.append((LONG_TARGET, abs(predicted[LONG_ROW]["ratio"] - 1) <= 0.10, long_line))
     ratios = {n: p["ratio"] for n, p in predicted.items() if "ratio" in p}
     if ratios and result.get("mode") == "gpu":
         worst = max(ratios, key=lambda n: abs(ratios[n] - 1))

@@ -9,8 +9,13 @@
 # BLOCKTRAIN_SLURM=0 skips that), and sets up the timm tests' own environment (BLOCKTRAIN_TIMM_VENV, default
 # .venv-timm): timm imports torchvision, and PyPI's torchvision is built against PyPI's (CUDA)
 # torch, not the CPU build this project pins, so those tests run beside a torch + torchvision
-# pair that match (BLOCKTRAIN_TIMM_TORCH). BLOCKTRAIN_TIMM=0 skips it; the timm tests then skip,
-# saying so.
+# pair that match (BLOCKTRAIN_TIMM_TORCH). No CPU build of torchvision is on PyPI, so that pair is
+# PyPI's CUDA one (~5.6 GB): built by default only where a GPU is visible (or .venv-timm is
+# already there); BLOCKTRAIN_TIMM=1 builds it anyway, BLOCKTRAIN_TIMM=0 never. Without it the timm
+# tests skip, saying how to enable them.
+# The tests run in a random order (pytest-randomly; the seed is printed at the end, and
+# --randomly-seed=N repeats an order, -p no:randomly keeps the files' order); -rs lists why each
+# skipped test skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${BLOCKTRAIN_VENV:-.venv}"
@@ -51,9 +56,15 @@ setup_slurm() {
 
 # The timm tests' environment (tests/test_timm.py runs itself there); a failure only warns.
 setup_timm() {
-  [ "${BLOCKTRAIN_TIMM:-1}" = 0 ] && return 0
+  local want="${BLOCKTRAIN_TIMM:-auto}"
+  [ "$want" = 0 ] && return 0
   local tvenv="${BLOCKTRAIN_TIMM_VENV:-$venv-timm}"
   case "$tvenv" in /*) ;; *) tvenv="$PWD/$tvenv" ;; esac
+  if [ "$want" != 1 ] && [ ! -x "$tvenv/bin/python" ] && ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "note: the timm tests will skip: no GPU here, so their environment (PyPI's CUDA torch +" \
+         "torchvision, ~5.6 GB) is not built; BLOCKTRAIN_TIMM=1 ./launch/quickstart.sh test builds it" >&2
+    return 0
+  fi
   local tspec="${BLOCKTRAIN_TIMM_TORCH:-torch==2.14.1 torchvision==0.29.1}"
   local tstamp="$tvenv/.blocktrain-installed"
   if [ ! -f "$tstamp" ] || [ pyproject.toml -nt "$tstamp" ]; then
@@ -82,6 +93,6 @@ case "$cmd" in
   # `-n N` (or `-n 0`) among the arguments wins.
   # The tests never reach a W&B server: offline runs are what they read back.
   test) setup_slurm; setup_timm; export WANDB_MODE=offline WANDB_SILENT=true
-    exec "$py" -m pytest -q -n 2 --dist loadfile "$@" ;;
+    exec "$py" -m pytest -q -rs -n 2 --dist loadfile "$@" ;;
   *) echo "usage: $0 train [key=value ...] | test [pytest args ...]" >&2; exit 2 ;;
 esac

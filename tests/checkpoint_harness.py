@@ -1,6 +1,11 @@
-"""Shared by the checkpointing and offload tests: the policies and a seeded batch maker."""
+"""Shared by the checkpointing and offload tests: the policies, a seeded batch maker, and the
+planner's timings fixed."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Mapping
+from unittest import mock
 
 import torch
 
@@ -65,3 +70,30 @@ def assert_policies_bitwise(results: list, policies: list) -> None:
             assert torch.equal(grad, ref_grads[name]), (overrides, name)
         assert any(r != "none" for r in plan), overrides
         assert peak < ref_peak, overrides
+
+
+# Forward+backward seconds per option (and the forward's own) that fixed_planner_timings gives
+# the planner: recompute costs full 0.5 > selective 0.2 > compiler 0.1 per block, so a budget
+# plan prefers the compiler's placement, then selective, then full, whatever the machine's load.
+PLANNER_SECONDS = {"none": 1.0, "selective": 1.2, "full": 1.5, "compiler": 1.1}
+PLANNER_FORWARD_S = 0.5
+
+
+@contextlib.contextmanager
+def fixed_planner_timings(seconds: Mapping[str, float] = PLANNER_SECONDS,
+                          forward_s: float = PLANNER_FORWARD_S) -> Iterator[None]:
+    """The planner measures each option's bytes as usual, but is given these seconds instead of
+    timing the options: a choice made from timings on a loaded machine (the budget planner
+    choosing the compiler's placement or not) made what a test checked depend on what else ran.
+    The options still run once each (what they keep is measured), untimed."""
+    from checkpointing.planner import profile
+
+    measure = profile._measure
+
+    def bytes_measured_seconds_given(candidates, args, kwargs, device, repeats):
+        saved, sizes, _, forward = measure(candidates, args, kwargs, device, repeats=0)
+        return (saved, sizes, {option: seconds[option] for option in candidates},
+                forward_s if forward else 0.0)
+
+    with mock.patch.object(profile, "_measure", bytes_measured_seconds_given):
+        yield

@@ -1,6 +1,9 @@
-"""CUDA-marked tests run only where a CUDA device is visible; fixtures shared by several modules."""
+"""CUDA-marked tests run only where a CUDA device is visible; every test starts from the same
+torch state, whatever ran before it; fixtures shared by several modules."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -14,6 +17,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The random order's seed, also under -q (which hides pytest-randomly's header line)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and config.pluginmanager.has_plugin("randomly"):
+        terminalreporter.write_line(f"random order: --randomly-seed={seed} repeats it; "
+                                    "-p no:randomly keeps the files' order")
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +47,54 @@ def world_of_one(monkeypatch):
     init_distributed(read_env("cpu"), timeout_s=60)
     yield
     shutdown()
+
+
+def _torch_state() -> dict:
+    import torch
+
+    return {"dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "threads": torch.get_num_threads(),
+            "matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def _set_torch_state(state: dict) -> None:
+    import torch
+
+    torch.set_default_dtype(state["dtype"])
+    torch.set_grad_enabled(state["grad"])
+    enabled, warn_only = state["deterministic"]
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.set_num_threads(state["threads"])
+    torch.set_float32_matmul_precision(state["matmul_precision"])
+
+
+@pytest.fixture(autouse=True)
+def planner_timings_given():
+    """The planner's choices in this process are made from given timings, not measured ones
+    (tests/checkpoint_harness.py): a loaded machine must not change which plan a test checks.
+    Runs of the trainer CLI (subprocesses) still measure; tests.dist.spawn's ranks are given
+    them too."""
+    from tests.checkpoint_harness import fixed_planner_timings
+
+    with fixed_planner_timings():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def independent_of_order():
+    """What torch keeps between calls is put back after each test, so that a test's outcome does
+    not depend on which ran before it (random order: pytest-randomly): dynamo's compiled graphs
+    and recompile counts (per code object, limited to 8 each: graphs cached by earlier tests
+    once made later ones fall back to eager and fail), the default dtype, grad mode, the
+    deterministic-algorithms flags, the thread count and matmul precision; each test starts
+    from the same random seed."""
+    import torch
+
+    state = _torch_state()
+    torch.manual_seed(0)
+    yield
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    _set_torch_state(state)

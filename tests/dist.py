@@ -29,14 +29,41 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
     try:
         # Tensors are sent as bytes: torch's queue pickling shares memory through handles that die
         # with this process before the parent reads them.
+        from tests.checkpoint_harness import fixed_planner_timings
+
         buffer = io.BytesIO()
-        torch.save(fn(rank, world_size, *args), buffer)
+        with fixed_planner_timings():  # as in the test's own process (tests/conftest.py)
+            torch.save(fn(rank, world_size, *args), buffer)
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _next_result(results, procs, limit_s: float = 3600.0):
+    """The next rank's result, waited for as long as a rank is alive to send one: a fixed wait
+    failed the test on a loaded machine while the ranks were still working."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            # A rank that ended (killed, or failed past its report) sends nothing more: one more
+            # look, as it may have just sent.
+            if any(p.exitcode not in (None, 0) for p in procs) or \
+                    not any(p.is_alive() for p in procs):
+                try:
+                    return results.get(timeout=5)
+                except queue.Empty:
+                    codes = [p.exitcode for p in procs]
+                    raise AssertionError(f"ranks ended without a result (exit codes {codes})")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no result from the ranks in {limit_s:.0f} s")
 
 
 def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
@@ -51,7 +78,12 @@ def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
             p.start()
         outcomes = {}
         for _ in range(world_size):
-            rank, status, value = results.get(timeout=300)
+            try:
+                rank, status, value = _next_result(results, procs)
+            except AssertionError:
+                for p in procs:
+                    p.kill()
+                raise
             outcomes[rank] = (status, value)
             if status == "error":
                 for p in procs:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import tokenize, tokens as data
+from trainer.data import tokenize, tokens as data, validation
 
 
 def window_ids(dataset: data.WindowDataset, inputs: torch.Tensor) -> list[int]:
@@ -167,7 +167,7 @@ def test_val_batches_fixed_contiguous_and_disjoint():
     dataset = arange_dataset(num_windows=100, seq_len=4)
     per_rank = []
     for rank in range(3):
-        batches = data.val_batches(dataset, num_batches=2, micro_batch_size=5, dp_rank=rank, dp_size=3)
+        batches = validation.val_batches(dataset, num_batches=2, micro_batch_size=5, dp_rank=rank, dp_size=3)
         assert len(batches) == 2
         ids = []
         for inputs, targets in batches:
@@ -179,13 +179,13 @@ def test_val_batches_fixed_contiguous_and_disjoint():
     assert per_rank[1] == list(range(10, 20))
     assert per_rank[2] == list(range(20, 30))
     # Same windows overall whatever dp_size is.
-    single = data.val_batches(dataset, num_batches=6, micro_batch_size=5, dp_rank=0, dp_size=1)
+    single = validation.val_batches(dataset, num_batches=6, micro_batch_size=5, dp_rank=0, dp_size=1)
     assert [k for x, _ in single for k in window_ids(dataset, x)] == list(range(30))
 
 
 def test_val_batches_wrap_around_small_set():
     dataset = arange_dataset(num_windows=3, seq_len=2)
-    batches = data.val_batches(dataset, num_batches=2, micro_batch_size=2, dp_rank=0, dp_size=1)
+    batches = validation.val_batches(dataset, num_batches=2, micro_batch_size=2, dp_rank=0, dp_size=1)
     assert [k for x, _ in batches for k in window_ids(dataset, x)] == [0, 1, 2, 0]
 
 

@@ -14,7 +14,8 @@ from trainer.data.document_source import DocumentSource, StreamSource
 from trainer.data.factory import source_of
 from trainer.data.image_source import ImageSource
 from trainer.data.token_source import TokenSource
-from trainer.data.tokens import step_counts, train_batch, val_batches
+from trainer.data.tokens import step_counts, train_batch
+from trainer.data.validation import val_batches
 from trainer.faults import CollectiveFailure, TimeoutWatchdog
 
 

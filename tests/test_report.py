@@ -177,7 +177,7 @@ def _predicted(overrides: list[str], plan: list[str], world: int = 1):
 
     cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
     evaluator = Evaluator(tflops=400, optimizer_foreach=False)
-    profile, groups, orig_dtype = evaluator.profile(cfg)
+    profile, groups, orig_dtype = evaluator.profile(cfg, layout.degree)
     shard = cfg.sharding.mode != "none"
     setup = setup_of(Scenario(cfg, layout, world), orig_dtype, optimizer_foreach=False)
     return estimate(groups, profile, make_plan(list(profile.block_names), plan, shard), setup)

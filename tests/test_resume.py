@@ -165,6 +165,12 @@ def test_saved_on_two_ranks_resumed_on_one(tmp_path) -> None:
     assert ours.keys() == theirs.keys()
     for step in ours:  # no dropout: 1 and 2 ranks compute the same maths, summed differently
         assert ours[step] == pytest.approx(theirs[step], rel=1e-4), step
+    # Issue 47 fault 8: the one rank scores the 16 validation samples the two scored (2 ranks x
+    # eval_batches 2 x micro 4), not 8 of its own; 8 of them are another val_loss.
+    ours, theirs = val_losses(tmp_path), val_losses(reference)
+    assert ours.keys() == theirs.keys() == {5, STEPS}, (ours, theirs)
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-4), step
 
 
 def test_the_resume_line_says_the_data_order_once(tmp_path) -> None:
@@ -180,9 +186,8 @@ def test_the_resume_line_says_the_data_order_once(tmp_path) -> None:
     assert "saved by 2 ranks, resumed on 1: model and optimizer are exact, dropout masks" in line
     assert "global batch 8 x 64 tokens became 4 x 64: the data order from here differs" in line
     assert "unchanged" not in line
-    # Issue 47 fault 8: each data-parallel group scored its own validation batches.
-    assert ("validation is 8 samples now, 16 before (train.eval_batches x micro-batch x "
-            "data-parallel groups): val_loss from here is not comparable") in line
+    # Issue 47 fault 8: the one rank scores the two ranks' 16 validation samples; nothing to say.
+    assert "validation" not in line
 
 
 def test_nan_step_is_skipped_and_a_spike_rolls_back(tmp_path) -> None:

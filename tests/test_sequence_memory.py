@@ -109,3 +109,65 @@ def test_sequence_degree_prediction_matches_two_real_cpu_ranks() -> None:
                           f"{model} sequence=2 peak ({predicted.peak.name})")
         alone = _predicted(overrides, plan, world=2)
         assert alone.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
+
+
+# Every pair of the four settings the long-sequence figures combine: sequence degree, tiles,
+# recompute policy, head. LONG's shapes at half its length and MLP width (the MLP still sets
+# the block's peak), so that one spawn measures a degree's twelve cases in under a minute.
+SHORT = [o for o in LONG if o.split("=")[0] not in ("data.seq_len", "model.ffn_hidden",
+                                                     "checkpointing")]
+PAIRS = {f"{policy}-{head}-tiles{tiles}": (tiles, [
+    *SHORT, "data.seq_len=256", "model.ffn_hidden=512", f"checkpointing={policy}",
+    f"checkpointing.head={head}", "checkpointing.head_chunk_tokens=64",
+    f"checkpointing.tiles={tiles}"])
+    for policy in ("none", "selective", "full") for head in ("plain", "chunked")
+    for tiles in (1, 4)}
+
+
+def _pair_steps(rank: int, world_size: int, degree: int) -> dict:
+    extra = [f"sharding.sequence={degree}"] if degree > 1 else []
+    return {case: _measured(overrides + extra, world=world_size, tiles=tiles, degree=degree)
+            for case, (tiles, overrides) in PAIRS.items()}
+
+
+def _assert_pairs(results: list[dict], degree: int, world: int) -> None:
+    extra = [f"sharding.sequence={degree}"] if degree > 1 else []
+    errors = []
+    for case, (_, overrides) in PAIRS.items():
+        predicted = _predicted(overrides + extra, results[0][case]["plan"], world=world)
+        for rank, result in enumerate(results):
+            error = predicted.peak.total / result[case]["peak"] - 1
+            print(f"sequence={degree} {case} rank {rank}: predicted {predicted.peak.total}, "
+                  f"measured {result[case]['peak']} ({100 * error:+.2f}%, {predicted.peak.name})")
+            if abs(error) > PEAK_TOLERANCE:
+                errors.append(f"sequence={degree} {case}: {100 * error:+.2f}%")
+    assert not errors, "; ".join(errors)
+
+
+def test_every_tiles_policy_head_pair_on_one_rank(world_of_one) -> None:
+    _assert_pairs([_pair_steps(0, 1, 1)], degree=1, world=1)
+
+
+def test_every_tiles_policy_head_pair_with_sequence_two() -> None:
+    _assert_pairs(spawn(_pair_steps, 2, 2), degree=2, world=2)
+
+
+def _exchange_live_bytes(rank: int, world_size: int) -> tuple[int, int]:
+    from sharding.sequence import sequence_to_heads
+
+    x = torch.randn(1, 1024, 4, 64, requires_grad=True)  # as activations are
+    with LiveTensorBytes([x]) as live:
+        received = sequence_to_heads(x, dist.group.WORLD)  # an AsyncCollectiveTensor
+        doubled = received * 2
+        counted = live.current()
+    assert type(received).__name__ == "AsyncCollectiveTensor"
+    del doubled
+    return counted, x.nbytes
+
+
+def test_live_bytes_count_an_all_to_all_result_by_the_tensor_it_wraps() -> None:
+    """x, the all-to-all's result and its double are alive (the send buffer is gone): three
+    tensors of x's size. The wrapper and each view of it (a new wrapper) have a storage object
+    of that size too, but no memory; counted, they made it six."""
+    for counted, size in spawn(_exchange_live_bytes, 2):
+        assert counted == 3 * size

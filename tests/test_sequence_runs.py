@@ -195,8 +195,9 @@ def test_each_rank_holds_its_slice_and_the_plan_its_tiles(two_ranks) -> None:
     rank = two_ranks[0]
     assert rank["llama"]["slice"] == (1, 32)  # a 64-token window, half of it per rank
     assert rank["tiles-none"]["slice"] == (2, 64)
-    # tiny: 4 blocks of 6 modules in tiles (both norms, wq/wk/wv, the MLP), and the final norm
-    assert rank["tiles-full"]["plan"] == [3] * 4 and rank["tiles-full"]["tiled"] == 4 * 6 + 1
+    # tiny: 4 blocks of 7 modules in tiles (both norms, wq/wk/wv, the MLP, the attention's query
+    # tiles), and the final norm
+    assert rank["tiles-full"]["plan"] == [3] * 4 and rank["tiles-full"]["tiled"] == 4 * 7 + 1
     assert rank["hf-tiles-sequence"]["plan"] == [2] * 2 and rank["hf-tiles-sequence"]["tiled"] == 2
     assert rank["llama"]["plan"] == [1] * 4 and rank["llama"]["tiled"] == 0
 

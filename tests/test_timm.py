@@ -189,8 +189,10 @@ def test_timm_tests_in_their_own_environment() -> None:
     python = os.environ.get("BLOCKTRAIN_TIMM_PYTHON") or os.path.join(REPO, ".venv-timm", "bin",
                                                                        "python")
     if not os.path.exists(python):
-        pytest.skip("no timm environment: ./launch/quickstart.sh test sets one up in "
-                    ".venv-timm (timm needs a torchvision built for its torch)")
+        pytest.skip("no timm environment (timm needs a torchvision built for its torch: PyPI "
+                    "has CUDA builds only, ~5.6 GB, made by default where a GPU is visible): "
+                    "BLOCKTRAIN_TIMM=1 ./launch/quickstart.sh test tests/test_timm.py builds "
+                    ".venv-timm and runs them")
     result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              os.path.relpath(__file__, REPO)], cwd=REPO, capture_output=True,
                             text=True, timeout=1500, env={**os.environ, "PYTHONPATH": REPO})

@@ -38,7 +38,10 @@ from offload.engine import Offloader
 from sharding import fsdp
 from sharding.fsdp import DTYPES
 from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
+from trainer.models.attention_backend import apply_attention
+from trainer.models.attention_backend import resolve as resolve_attention
 from trainer.models.families import family_of
+from trainer.models.families.lora import seed_name
 from trainer.task import task_for
 from sharding.layout import Layout
 
@@ -53,8 +56,35 @@ def init_params(model: nn.Module, seed: int) -> None:
 
 
 def build_on_meta(cfg: ModelConfig) -> nn.Module:
-    """The model of `model.arch`, parameters on the meta device."""
-    return family_of(cfg).build_on_meta(cfg)
+    """The model of `model.arch`, parameters on the meta device; with model.lora, its adapters
+    too (PEFT, on meta: the blocks fully_shard gets hold the frozen base and the adapters)."""
+    model = family_of(cfg).build_on_meta(cfg)
+    if cfg.lora.on:
+        from trainer.models.families.lora import apply_lora
+
+        names, _ = find_model_blocks(model, cfg)
+        apply_lora(model, cfg.lora, names, getattr(model, "init_param", None) or default_init)
+    return model
+
+
+def lora_base_dtype(cfg: Config) -> Optional[torch.dtype]:
+    """LoRA's frozen base is stored in sharding.param_dtype (no master copy: it never steps);
+    None where there is nothing to change (no LoRA, no mixed precision)."""
+    s = cfg.sharding
+    if not cfg.model.lora.on or s.mode == "none" or not s.param_dtype:
+        return None
+    return DTYPES[s.param_dtype]
+
+
+def build_run_model(cfg: Config) -> nn.Module:
+    """The meta model as this run stores it: build_on_meta, LoRA's base in its dtype."""
+    model = build_on_meta(cfg.model)
+    dtype = lora_base_dtype(cfg)
+    if dtype is not None:
+        from trainer.models.families.lora import store_base_in
+
+        store_base_in(model, dtype)
+    return model
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> int:
@@ -123,8 +153,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int, allocate: boo
         if id(param) in seen:  # tied weights are initialised once, under their first name
             continue
         seen.add(id(param))
+        # An adapted layer's base weight (PEFT's `base_layer`, NF4's parts) is drawn as
+        # without adapters (trainer/models/families/lora.py).
         clean = canonical_name(name)
-        generator = torch.Generator(device=device).manual_seed(param_seed(seed, clean))
+        generator = torch.Generator(device=device).manual_seed(param_seed(seed, seed_name(clean)))
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         init_fn(clean, full, generator)
         if isinstance(param, DTensor):
@@ -231,7 +263,8 @@ def with_working_sets(cfg: Config, model: nn.Module, names: Sequence[str],
     inputs, targets = task.example(cfg.train.micro_batch_size)
     meta = profile_on_meta(model, names, blocks, lambda m: task.loss(m, inputs, targets),
                            resolve_ops(c.save_ops), list(c.save_ops),
-                           like_cpu=device.type == "cpu")
+                           like_cpu=device.type == "cpu",
+                           attention=resolve_attention(cfg, device.type)[0])
     return [replace(p, working_bytes=dict(m.peak_bytes)) for p, m in zip(profiles, meta.blocks)]
 
 
@@ -257,7 +290,7 @@ def build_model(cfg: Config, denv: DistEnv, layout: Layout, meter: SavedBytesMet
     root -> real. layout: the run's (validation's, or auto's once it chose); decided: the plan
     (and its profiles) checkpointing=auto chose."""
     started = time.perf_counter()
-    model = build_on_meta(cfg.model)
+    model = build_run_model(cfg)
     flops = family_of(cfg.model).flops_per_token(
         cfg.model, model, task_for(cfg.model, cfg.data, cfg.checkpointing).tokens_per_sample)
     freeze(model, cfg.model.freeze)
@@ -300,6 +333,9 @@ def build_model(cfg: Config, denv: DistEnv, layout: Layout, meter: SavedBytesMet
     if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
         log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "
                     "gradients and optimizer state already live in CPU memory; nothing to move")
+    # The kernel choice is the innermost wrap of attention; Ulysses' all-to-alls go around it
+    # (under sharding.context the ring replaces the kernel: it runs its own, sharding/ring.py).
+    apply_attention(cfg, model, denv.device, denv.is_main)
     mesh, group, ring = sharding_mesh(layout, denv)
     if group is not None or ring is not None:  # attention runs over the whole samples
         family_of(cfg.model).sequence_parallel(model, group, ring)

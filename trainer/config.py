@@ -58,6 +58,24 @@ def check_writable(path: str, key: str) -> None:
 
 
 @dataclass
+class LoraSettings:
+    """model.lora: low-rank adapters on a frozen base (trainer/models/families/lora.py, through PEFT)."""
+
+    rank: Optional[int] = None  # null: no LoRA, every weight trains; else only the adapters
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # on the adapters' input (PEFT's lora_dropout)
+    # Module-name globs of the linear layers adapted (e.g. "*.q_proj"); empty: every linear
+    # layer inside the blocks.
+    targets: List[str] = field(default_factory=list)
+    # none | nf4: the base's block linears stored in 4-bit NF4 (QLoRA, trainer/models/families/qlora.py)
+    quantize: str = "none"
+
+    @property
+    def on(self) -> bool:
+        return self.rank is not None
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"  # preset name, for logs and run names
     arch: str = "llama"  # the family (trainer/models/families/): llama, qwen3, hf, vit, hf_vision, timm
@@ -83,6 +101,9 @@ class ModelConfig:
     path: Optional[str] = None
     hf_config: Optional[Any] = None
     attn_implementation: str = "sdpa"
+    # The attention kernel (trainer/models/attention_backend.py): auto (torch's choice, predicted
+    # and counted by the planner), flash, cudnn, efficient or math (every unmasked call held to it).
+    attention: str = "auto"
     # Parameters to freeze (not trained, no optimizer state): globs over parameter names as the
     # model names them, e.g. ["hf.model.embed_tokens.*", "hf.model.layers.[0-5].*"].
     freeze: List[str] = field(default_factory=list)
@@ -99,6 +120,7 @@ class ModelConfig:
     # checkpoint_path a local .safetensors/.pth file of pretrained weights (nothing downloaded).
     checkpoint_path: Optional[str] = None
     timm_args: Optional[Any] = None
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -184,6 +206,10 @@ class TrainConfig:
     # Left out of a CUDA device's total when memory_gib is null: the CUDA context, NCCL buffers
     # and the allocator's fragmentation, which the memory model does not count.
     memory_reserve_gib: float = 4.0
+    # Left out of each node's host memory for what no model here counts (the OS, a process per
+    # rank, page cache, checkpoint staging) when pinned memory is judged (trainer.report
+    # --host-memory-gib, and the trainer at start). null: 10% of the node.
+    host_reserve_gib: Optional[float] = None
     eval_every: int = 50
     # Also evaluate before the first step of a fresh run (a baseline val_loss at step 0). Off by
     # default: it is eval_batches forwards more before training starts, on every fresh start.
@@ -375,6 +401,8 @@ CHOICES = {
     "checkpointing.policy": ("none", "full", "every_k", "sqrt", "selective", "budget", "auto",
                              "file", "compiler"),
     "offload.target": ("none", "cpu", "disk"),
+    "model.attention": ("auto", "flash", "cudnn", "efficient", "math"),
+    "model.lora.quantize": ("none", "nf4"),
 }
 
 

@@ -245,7 +245,8 @@ class Trainer:
                                    Startup(built.build_s, built.started, built.compiled_blocks,
                                            self.progress.step), predicted)
             self.evaluation = Evaluation(t, resumed is None, built.model, self.data.val,
-                                         self.task, self.device, self.logger)
+                                         self.task, self.device, self.logger,
+                                         self.data.val_weights)
             if resumed is not None:
                 self.logger.info(resumed[1])
             self.rollback = Rollback(self.checkpointer, self.model_state, guard, self.logger,
@@ -346,9 +347,11 @@ class Trainer:
                 f"micro-batch {d.micro_batch}, predicted peak {d.peak_bytes / 2**30:.3f} GiB, step "
                 f"{d.step_s:.4f} s ({when}{AUTO_FILE}); candidates", auto_table(d), auto_rows(d))
         num_params = sum(p.numel() for p in self.model_state.model.parameters())
+        trained = sum(p.numel() for p in self.model_state.model.parameters() if p.requires_grad)
+        trained_note = "" if trained == num_params else f" ({trained / 1e6:.3f}M trained)"
         self.logger.info(
             f"world {denv.world_size} ({layout.mode}, replicate {layout.replicate} x shard "
-            f"{layout.shard}) on {self.device.type}; {num_params / 1e6:.2f}M parameters; plan: "
+            f"{layout.shard}) on {self.device.type}; {num_params / 1e6:.2f}M parameters{trained_note}; plan: "
             f"{describe(plan)}; global batch {layout.global_batch_size} x "
             f"{self.task.tokens_per_sample} tokens (micro {layout.micro_batch_size} x accum "
             f"{layout.grad_accum} x {layout.readers()}); run dir {self.run_dir}")

@@ -5,6 +5,9 @@ bytes and recompute FLOPs, the per-rank memory of a step (see checkpointing/plan
 verdict against the GPU's memory, with the changes that would make it fit. Everything is
 measured on the meta device, so it runs on a laptop for a 70B model in seconds. Writes
 memory_plan.json and memory_plan.png to --out (default: a new <train.out_dir>/reports/<time>).
+
+Exit status, for job scripts: 0 when it fits (or nothing is judged: no memory size given), 3 when
+it does NOT fit, on the device or in host memory (--host-memory-gib), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from trainer.cli import check, print_error
 from trainer.config import ConfigError
 from trainer.preflight.tables import (DEFAULT_TFLOPS, GIB, advice_lines, block_rows, summary, table,
                                 verdict)
+
+
+NO_FIT_EXIT = 3  # the exit status when it does not fit (device or host memory)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +44,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="nominal FLOP/s per GPU (in TFLOP/s) for recompute seconds")
     parser.add_argument("--host-memory-gib", type=float, default=None,
                         help="host memory per node for the verdict on pinned offloaded "
-                             "activations (and sharding.cpu_offload state)")
+                             "activations (and sharding.cpu_offload state), less "
+                             "train.host_reserve_gib (default 10%% of it)")
     parser.add_argument("--longest", action="store_true",
                         help="search the longest data.seq_len that fits (the given or auto "
                              "plan, tiles, sequence degree) and report it")
@@ -81,15 +88,12 @@ def output_dir(args: argparse.Namespace, cfg) -> str:
 
 
 def capacity_bytes(args: argparse.Namespace, cfg, layout) -> Optional[int]:
-    """train.memory_gib, else --gpu-memory-gib or the visible CUDA device, less
-    train.memory_reserve_gib when auto fits or --longest searches (as the trainer's auto keeps
-    it on CUDA: trainer/preflight/auto_run.capacity_of)."""
-    from trainer.preflight.auto_plan import auto_decides
-
+    """train.memory_gib, else --gpu-memory-gib or the visible CUDA device less
+    train.memory_reserve_gib (the CUDA context, NCCL and the allocator's cache, which the memory
+    model does not count; as the trainer's auto keeps it: trainer/preflight/auto_run.capacity_of)."""
     if cfg.train.memory_gib is not None:
         return int(cfg.train.memory_gib * GIB)
-    decides = auto_decides(cfg, layout)
-    reserve = int(cfg.train.memory_reserve_gib * GIB) if decides or args.longest else 0
+    reserve = int(cfg.train.memory_reserve_gib * GIB)
     if args.gpu_memory_gib is not None:
         total = int(args.gpu_memory_gib * GIB)
     else:
@@ -120,9 +124,9 @@ def predict(scenario, evaluator, capacity: Optional[int], tflops: float):
 
 def predict_longest(scenario, evaluator, capacity: Optional[int], host: Optional[int],
                     tflops: float, step_tokens: int):
-    """--longest: (outcome, decision, the search's lengths tried)."""
+    """--longest: (outcome, decision, the search's lengths tried): device and host must fit."""
+    from trainer.preflight.host_memory import host_verdict
     from trainer.preflight.longest import longest
-    from trainer.preflight.tables import host_fits
 
     if capacity is None:
         raise ConfigError("--gpu-memory-gib", "--longest needs a memory size to fit")
@@ -134,8 +138,8 @@ def predict_longest(scenario, evaluator, capacity: Optional[int], host: Optional
             if exc.key in ("train.memory_gib", "sharding.sequence"):
                 return False, None, None
             raise
-        return (outcome.estimate.peak.total <= capacity and host_fits(outcome, host),
-                outcome, decision)
+        host_fits = host_verdict(outcome, host, scenario.cfg.train.host_reserve_gib).fits
+        return outcome.estimate.peak.total <= capacity and host_fits is not False, outcome, decision
 
     found = longest(scenario, attempt, step_tokens)
     return found.outcome, found.decision, found.tried
@@ -158,9 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from trainer.preflight.plot import plot_plan
     from trainer.preflight.timeline import picture_line
     from checkpointing.planner.policies import BudgetError
-    from trainer.preflight.auto_plan import auto_rows, auto_table
+    from trainer.preflight.auto_plan import auto_table
     from trainer.preflight.scenario import Evaluator, Scenario, device_type_of
-    from trainer.preflight.tables import host_check
+    from trainer.preflight.host_memory import reserve_bytes
+    from trainer.preflight.verdicts import verdicts
 
     # The report is for GPUs, where AdamW takes its foreach path (one group-sized temporary),
     # unless the run is for the CPU (train.device=cpu).
@@ -170,6 +175,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     host = None if args.host_memory_gib is None else int(args.host_memory_gib * GIB)
     tried = None
     try:
+        if host is not None:  # a reserve that leaves nothing: one line, before any tracing
+            reserve_bytes(host, cfg.train.host_reserve_gib)
         capacity = capacity_bytes(args, cfg, layout)
         if args.longest:
             outcome, decision, tried = predict_longest(scenario, evaluator, capacity, host,
@@ -190,26 +197,41 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"auto: micro-batch {decision.micro_batch} (grad_accum {decision.grad_accum}), "
               f"step times from FLOPs at {args.tflops:g} TFLOP/s (the trainer times blocks on "
               "its device); candidates:\n" + auto_table(decision) + "\n")
-    print(table(outcome, args.tflops))
+    print(table(outcome, args.tflops) + "\n" + attention_line(outcome, evaluator))
     if head_note is not None:
         print(f"head: {cfg.checkpointing.head}, {head_note}")
     print(picture_line(outcome, capacity))  # the picture's story, for those who never open it
-    print(verdict(peak, capacity))
-    for line in host_check(outcome, host):
-        print(line)
+    judged = verdicts(outcome, capacity, host, args.tflops, evaluator.device_type)
+    print("\n".join([*judged.step_lines, verdict(peak, capacity), *judged.host_lines]))
     advice = []
     if capacity is not None and peak > capacity:
         advice = suggest(evaluator, scenario, capacity)
         print(advice_lines(advice))
     out = output_dir(args, cfg)
     os.makedirs(out, exist_ok=True)
-    data = {"command": argv, "capacity_bytes": capacity, "host_capacity_bytes": host,
+    data = plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, advice,
+                     judged.keys)
+    with open(os.path.join(out, "memory_plan.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
+    print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
+    if judged.fits is False:  # for job scripts: 3, documented (the module's docstring)
+        sys.exit(NO_FIT_EXIT)
+
+
+def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, advice,
+              verdict_keys: dict) -> dict:
+    """memory_plan.json's contents."""
+    from trainer.preflight.auto_plan import auto_rows
+
+    peak = outcome.estimate.peak.total
+    return {"command": argv, "capacity_bytes": capacity, "host_capacity_bytes": host,
             "longest": None if tried is None else {
                 "seq_len": outcome.scenario.cfg.data.seq_len,
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
-            "fits": None if capacity is None else peak <= capacity,
+            **verdict_keys,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
-            **summary(outcome),
+            **summary(outcome), **attention_keys(outcome, evaluator),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
                             for s in advice],
@@ -217,10 +239,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
                 "sequence": decision.sequence, "context": decision.context, "tiles": decision.tiles,
                 "predicted_step_s": decision.step_s, "candidates": auto_rows(decision)}}
-    with open(os.path.join(out, "memory_plan.json"), "w") as f:
-        json.dump(data, f, indent=1)
-    plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
-    print(f"wrote {os.path.join(out, 'memory_plan.json')} and memory_plan.png")
+
+
+def attention_keys(outcome, evaluator) -> dict:
+    """memory_plan.json's attention_backend (the kernel counted) and attention_workspace_bytes
+    (its backward workspace at one block's attention, already inside the peak)."""
+    from trainer.models.attention_backend import resolve
+
+    return {"attention_backend": resolve(outcome.scenario.cfg, evaluator.device_type)[0],
+            "attention_workspace_bytes": outcome.profile.attention_workspace_bytes}
+
+
+def attention_line(outcome, evaluator) -> str:
+    """'attention: <backend> (<why>); backward workspace ... per block, counted in the peak'."""
+    from trainer.models.attention_backend import resolve
+
+    backend, why = resolve(outcome.scenario.cfg, evaluator.device_type)
+    workspace = outcome.profile.attention_workspace_bytes
+    counted = (f"backward workspace {workspace / GIB:.2f} GiB at each block's attention, counted "
+               "in the peak" if workspace else "no workspace beyond its inputs and gradients")
+    return f"attention: {backend} ({why}); {counted}"
 
 
 def longest_line(outcome, tried) -> str:

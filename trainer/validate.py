@@ -10,6 +10,7 @@ from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Confi
                             ModelConfig, TrainConfig, check_writable, require)
 from trainer.data.base import ModelFacts
 from trainer.data.factory import source_of
+from trainer.models.attention_backend import check_attention
 from trainer.models.families import family_of
 from sharding.layout import Layout, LayoutError, make_layout
 
@@ -29,6 +30,8 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     _check_checkpointing(cfg.checkpointing, cfg.train.compile)
     _check_run_control(cfg)
     _check_model_and_data(cfg)
+    check_attention(cfg)
+    check_lora(cfg.model)
     layout = _layout(cfg, world_size, num_nodes)
     _check_sequence(cfg, layout)
     _check_tiles(cfg, layout.least_degree, layout.context)
@@ -126,6 +129,8 @@ def _check_auto(t: TrainConfig, policy: str, live_bytes_step: Optional[int]) -> 
             f"must be null or > 0 GiB, got {t.memory_gib}")
     require(t.memory_reserve_gib >= 0, "train.memory_reserve_gib",
             f"must be >= 0 GiB, got {t.memory_reserve_gib}")
+    require(t.host_reserve_gib is None or t.host_reserve_gib >= 0, "train.host_reserve_gib",
+            f"must be null or >= 0 GiB, got {t.host_reserve_gib}")
     fitting = auto_batch or policy == "auto"
     if fitting and t.memory_gib is None:
         what = ("checkpointing=auto" if policy == "auto"
@@ -224,6 +229,27 @@ def _check_model_and_data(cfg: Config) -> None:
     source.check_reader(family.sample, family.arch)
     family.validate(cfg.model, cfg.data.seq_len)
     source.check_files(cfg.data, model_facts(cfg.model))
+
+
+def check_lora(m: ModelConfig) -> None:
+    """model.lora's values alone (its targets against the model: trainer/models/families/lora.py, in
+    the pre-flight deep check and at the build)."""
+    lora = m.lora
+    if not lora.on:
+        require(not lora.targets, "model.lora.targets", "adapters are on with "
+                "model.lora.rank; set it (e.g. 16) or leave the targets empty")
+        require(lora.quantize == "none", "model.lora.quantize", f"{lora.quantize} quantizes "
+                "the frozen base of LoRA; set model.lora.rank (e.g. 16) or quantize=none")
+        return
+    require(isinstance(lora.rank, int) and lora.rank > 0, "model.lora.rank",
+            f"must be a positive integer (or null: no LoRA), got {lora.rank}")
+    require(family_of(m).takes_lora, "model.lora.rank", f"LoRA adapts language models, not "
+            f"model.arch={m.arch}; set it to null")
+    require(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
+    require(0 <= lora.dropout < 1, "model.lora.dropout",
+            f"must be at least 0 and below 1, got {lora.dropout}")
+    require(not m.freeze, "model.freeze", "with LoRA the whole base is frozen already; "
+            "leave model.freeze empty (choose the adapted layers with model.lora.targets)")
 
 
 def model_facts(m: ModelConfig) -> ModelFacts:

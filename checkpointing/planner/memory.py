@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from checkpointing.planner.metatrace import BlockMeasure, MetaProfile
+from checkpointing.planner.param_bytes import GroupBytes, group_bytes, sharded_numel
 from checkpointing.plan import BlockPlan
 from checkpointing.planner.search import BlockOptions, Option, activation_peak
 from checkpointing.planner.profile import OPTIONS
@@ -50,6 +51,20 @@ class ParamGroup:
     name: str
     shapes: tuple[tuple[int, ...], ...]
     param_names: tuple[str, ...]
+    # Per parameter: whether it trains (model.freeze and LoRA's base do not: no gradient, no
+    # optimizer state), the bytes of an element as stored (LoRA's base in the compute dtype,
+    # NF4's codes), and whether mixed precision casts it (floating). Empty: every parameter
+    # trains, is floating and is stored in the setup's original dtype.
+    trained: tuple[bool, ...] = ()
+    itemsizes: tuple[Optional[int], ...] = ()
+    floating: tuple[bool, ...] = ()
+    transient_numel: int = 0  # compute-dtype elements made while it runs (param_bytes.py)
+
+    def bytes(self, shard: int, orig: int, compute: int) -> GroupBytes:
+        n = len(self.shapes)
+        return group_bytes(self.shapes, self.trained or (True,) * n,
+                           self.itemsizes or (None,) * n, self.floating or (True,) * n,
+                           shard, orig, compute, self.transient_numel)
 
 
 def param_groups(model: nn.Module, blocks: Sequence[nn.Module],
@@ -57,28 +72,20 @@ def param_groups(model: nn.Module, blocks: Sequence[nn.Module],
     """Root group first, then one group per block; a tied parameter counts once (first seen)."""
     seen: set[int] = set()
     in_block: dict[int, int] = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
-    members: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(len(blocks) + 1)]
+    members: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(len(blocks) + 1)]
     for name, param in model.named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
-        members[in_block.get(id(param), -1) + 1].append((name, tuple(param.shape)))
+        members[in_block.get(id(param), -1) + 1].append((name, param))
     names = ["(root)", *block_names]
-    return [ParamGroup(names[i], tuple(s for _, s in m), tuple(n for n, _ in m))
+    transient = [0, *(max((getattr(m, "dequantized_numel", 0) for m in b.modules()), default=0)
+                      for b in blocks)]
+    return [ParamGroup(names[i], tuple(tuple(p.shape) for _, p in m), tuple(n for n, _ in m),
+                       tuple(p.requires_grad for _, p in m),
+                       tuple(p.element_size() for _, p in m),
+                       tuple(p.is_floating_point() for _, p in m), transient[i])
             for i, m in enumerate(members)]
-
-
-def sharded_numel(shape: tuple[int, ...], shard: int) -> int:
-    """FSDP2's local shard: dim 0 split in `shard` chunks of ceil(dim0 / shard) rows (padded)."""
-    dims = shape or (1,)
-    return math.ceil(dims[0] / shard) * math.prod(dims[1:])
-
-
-def group_numel(group: ParamGroup, shard: int) -> tuple[int, int, int]:
-    """(sharded, unsharded padded as all-gathered, exact) element counts of a group."""
-    local = sum(sharded_numel(s, shard) for s in group.shapes)
-    exact = sum(math.prod(s or (1,)) for s in group.shapes)
-    return local, local * shard, exact
 
 
 @dataclass(frozen=True)
@@ -165,21 +172,24 @@ def fixed_phases(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Setu
                              _itemsize(setup.reduce_dtype))
     sharded = setup.mode != "none"
     shard = setup.shard if sharded else 1
-    counts = [group_numel(g, shard) for g in groups]
-    local = [c[0] * orig for c in counts]  # sharded params = sharded grads, per group
-    params, optimizer = sum(local), 2 * sum(local)
-    ddp_buckets = params if (not sharded and setup.world_size > 1) else 0
-    grads_all = params + ddp_buckets
-    unsharded = [c[1] * compute for c in counts] if sharded else [0] * len(counts)
-    reduce_in = [c[1] * reduce for c in counts] if sharded else [0] * len(counts)
-    exact = [c[2] for c in counts]
+    counts = [g.bytes(shard, orig, compute) for g in groups]
+    local = [c.trained for c in counts]  # sharded gradients (of the trained parameters) per group
+    params, trained = sum(c.params for c in counts), sum(local)
+    optimizer = 2 * trained
+    ddp_buckets = trained if (not sharded and setup.world_size > 1) else 0
+    grads_all = trained + ddp_buckets
+    unsharded = [c.gathered for c in counts] if sharded else [0] * len(counts)
+    reduce_in = [c.trained_gathered * reduce for c in counts] if sharded else [0] * len(counts)
+    exact = [c.trained_exact for c in counts]
     root, n = 0, len(groups) - 1
     head_names = set(profile.head.grad_param_names)
     # Unsharded root gradients the head makes at the start of backward (FSDP: held until the
     # root's reduce-scatter at the end of backward; no FSDP: they are the gradients themselves).
-    head_grads = sum(math.prod(s or (1,)) * compute for s, n_ in
-                     zip(groups[root].shapes, groups[root].param_names) if n_ in head_names)
-    all_root_grads = counts[root][2] * compute
+    root_trained = groups[root].trained or (True,) * len(groups[root].shapes)
+    head_grads = sum(math.prod(s or (1,)) * compute for s, n_, t in
+                     zip(groups[root].shapes, groups[root].param_names, root_trained)
+                     if n_ in head_names and t)
+    all_root_grads = counts[root].trained_exact * compute
     multi = shard > 1  # a prefetched all-gather buffer exists only with more than one shard
     accumulating = setup.grad_accum > 1
 
@@ -357,7 +367,8 @@ def _optimizer_temporaries(groups: Sequence[ParamGroup], shard: int, orig: int,
     """AdamW's step temporaries: the foreach path makes sqrt(exp_avg_sq) for a whole param group
     at once (the trainer's groups: matrices with decay, vectors without); the per-parameter path
     holds sqrt and its quotient for one parameter."""
-    shapes = [s for g in groups for s in g.shapes]
+    shapes = [s for g in groups for s, t in zip(g.shapes, g.trained or (True,) * len(g.shapes))
+              if t]  # AdamW steps the trained parameters only
     sizes = [sharded_numel(s, shard) * orig for s in shapes]
     if not sizes:
         return 0

@@ -12,11 +12,9 @@ without a byte of real memory. Three kinds of numbers come out:
 * forward FLOPs per block, and how many of them each option recomputes.
 
 Attention: on meta (and on CPU with dropout) `scaled_dot_product_attention` takes the math path,
-which keeps T x T attention probabilities. No GPU kernel does that: flash, cuDNN and efficient
-attention keep q, k, v, the output and a B x H x T fp32 log-sum-exp. `FusedAttentionOnMeta`
-therefore sends meta calls to `_scaled_dot_product_flash_attention_for_cpu`, whose meta kernel and
-autograd formula keep exactly that. It takes k and v with fewer heads than q (grouped-query
-attention) as they are, as the CUDA flash kernel does, so nothing is expanded or over-counted.
+which keeps T x T probabilities; no GPU kernel does. `FusedAttentionOnMeta` sends meta calls to the
+CPU flash kernel, which keeps what flash, cuDNN and efficient attention keep (meta_attention.py);
+the GPU kernel's backward workspace is added at its op (attention_workspace.py).
 """
 
 from __future__ import annotations
@@ -36,11 +34,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.head import SeeInsideHead
+from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
+from checkpointing.planner.attention_workspace import workspace_rule
+from checkpointing.planner.meta_attention import fused_on_meta, lower_right_on_meta
+from checkpointing.query_tiles import lower_right_attention
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
 from checkpointing.meter import SavedBytesMeter
 from checkpointing.wrap import checkpoint_block
-
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class FusedAttentionOnMeta(TorchFunctionMode):
@@ -52,20 +52,24 @@ class FusedAttentionOnMeta(TorchFunctionMode):
     probabilities and the dropout mask kept); without dropout the CPU runs a flash kernel too.
     """
 
-    def __init__(self, like_cpu: bool = False) -> None:
+    def __init__(self, like_cpu: bool = False, attention: Optional[str] = None) -> None:
         super().__init__()
         self.like_cpu = like_cpu
+        self.math = attention == "math"  # model.attention=math on a GPU: T x T kept, as meta
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            fused = _fused_attention(*args, like_cpu=self.like_cpu, **kwargs)
+        if func is F.scaled_dot_product_attention and not self.math:
+            fused = fused_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
             if fused is not None:
                 return fused
+        if func is lower_right_attention and args[0].device.type == "meta":
+            return lower_right_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
         return func(*args, **kwargs)
 
 
-def fused_forward(forward: Callable, like_cpu: bool = False) -> Callable:
+def fused_forward(forward: Callable, like_cpu: bool = False,
+                  attention: Optional[str] = None) -> Callable:
     """`forward` under FusedAttentionOnMeta wherever it runs, recompute in backward included.
 
     A mode entered around `backward()` would not do: the mode is off while it handles the
@@ -73,31 +77,22 @@ def fused_forward(forward: Callable, like_cpu: bool = False) -> Callable:
     """
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with FusedAttentionOnMeta(like_cpu):
+        with FusedAttentionOnMeta(like_cpu, attention):
             return forward(*args, **kwargs)
     return run
 
 
-def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                     is_causal: bool = False, scale: Optional[float] = None,
-                     enable_gqa: bool = False, like_cpu: bool = False) -> Optional[torch.Tensor]:
-    if query.device.type != "meta" or attn_mask is not None:
-        return None
-    if like_cpu and dropout_p > 0:
-        return None  # the CPU's math path, which meta takes as well
-    if key.shape[-3] != query.shape[-3] and not enable_gqa:
-        return None  # let the original report the shape mismatch
-    output, _ = _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
-    return output
-
-
 def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """The two attention matmuls (scores, then probabilities x values), causal mask ignored, as
-    FlopCounterMode counts the CUDA attention kernels."""
+    """The two attention matmuls (scores, then probabilities x values) over the (query, key)
+    pairs a kernel computes: all of them, or with is_causal the causal ones, aligned to the
+    bottom right as flash kernels do (query i of q_len sees k_len - q_len + i + 1 keys: half the
+    square for whole attention, a query tile's prefix for tiles). The CUDA kernels skip the
+    masked blocks, so counting them (as FlopCounterMode's own formula does) doubles attention."""
     batch, heads, q_len, head_dim = query_shape
     k_len, v_dim = key_shape[-2], value_shape[-1]
-    return 2 * batch * heads * q_len * k_len * head_dim + 2 * batch * heads * q_len * k_len * v_dim
+    causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
+    pairs = q_len * k_len - (q_len * (q_len - 1) // 2 if causal and q_len <= k_len else 0)
+    return 2 * batch * heads * pairs * head_dim + 2 * batch * heads * pairs * v_dim
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -106,11 +101,15 @@ class _LiveBytes(TorchDispatchMode):
     A storage counts from the op that allocates it until its last reference goes (a weakref
     finalizer; storages keep one Python object for their whole life). Outputs that alias an input
     (views, in-place and out= ops) allocate nothing and are not counted. Meta storages are never
-    resized, so each size is read once.
+    resized, so each size is read once. `workspace`: (op, args) -> bytes the GPU kernel standing
+    behind that op allocates while it runs (attention_workspace.workspace_rule), counted at its
+    peak and in `workspace_peak`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, workspace: Optional[Callable[[Any, tuple], int]] = None) -> None:
         super().__init__()
+        self.workspace = workspace
+        self.workspace_peak = 0
         self.current = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}
@@ -139,7 +138,9 @@ class _LiveBytes(TorchDispatchMode):
                     self._sizes[key] = storage.nbytes()
                     self.current += self._sizes[key]
                     weakref.finalize(storage, self._release, key)
-        self.peak = max(self.peak, self.current)
+        extra = self.workspace(func, args) if self.workspace is not None else 0
+        self.workspace_peak = max(self.workspace_peak, extra)
+        self.peak = max(self.peak, self.current + extra)
         return out
 
     def _release(self, key: int) -> None:
@@ -159,10 +160,12 @@ class BlockMeasure:
     #                             its saved bytes and unsharded weight gradients included
     forward_flops: int
     recompute_flops: dict[str, int]  # FLOPs each option runs again in backward
+    attention_flops: int = 0  # of forward_flops: attention's (causal) matmuls (step_time.py)
     storage_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per option
     # Forward FLOPs of its sequence-tiled modules (checkpointing/tiles.py): their backward
     # recomputes them once more, tile by tile, whatever the block's own recompute option.
     tile_flops: int = 0
+    workspace_bytes: int = 0  # the GPU attention kernel's backward workspace (in peak_bytes)
 
     def small_bytes(self, option: str, min_bytes: int) -> int:
         """What stays on the device when `option`'s saved storages are offloaded."""
@@ -187,6 +190,8 @@ class MetaProfile:
     # Sequence parallelism: bytes one rank sends per block forward in Ulysses' all-to-alls
     # (the meta exchange the caller wrapped the model's attention with); 0 without.
     sent_bytes_per_block: int = 0
+    attention_backend: Optional[str] = None  # the GPU kernel measured for (None: CPU's)
+    attention_workspace_bytes: int = 0  # its backward workspace, the largest of one block
     # Ring attention (sharding.context): bytes one rank sends its neighbour per block, in the
     # forward (the K/V blocks) and the backward (the K/V blocks again and their fp32
     # gradients), through the meta ring the caller wrapped attention with; 0 without.
@@ -211,11 +216,25 @@ def _clear_grads(module: nn.Module) -> None:
         param.grad = None
 
 
+class _Arriving(torch.autograd.Function):
+    """The gradient arriving from the next block, made inside the measurement's backward and
+    owned by autograd alone, so it dies when the block has used it (after its residual sum), as
+    in a real backward; one held by the caller would count to the block's end."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.like = (x.shape, x.dtype, x.device)
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        shape, dtype, device = ctx.like
+        return torch.ones(shape, dtype=dtype, device=device)
+
+
 def _backward_from(out: Any) -> None:
     outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    # The gradient arriving from the next block is allocated inside the measurement, as it is
-    # alive while this block's backward runs.
-    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    torch.autograd.backward([_Arriving.apply(t) for t in outputs])
 
 
 def _distinct_bytes(tree: Any) -> int:
@@ -225,17 +244,19 @@ def _distinct_bytes(tree: Any) -> int:
 
 
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequence,
-                  save_op_names: Sequence[str], like_cpu: bool = False) -> BlockMeasure:
-    """Saved and peak bytes per option, and FLOPs, of one block on meta."""
+                  save_op_names: Sequence[str], like_cpu: bool = False,
+                  attention: Optional[str] = None) -> BlockMeasure:
+    """Saved and peak bytes per option, and FLOPs, of one block on meta; `attention`: the CUDA
+    backend whose backward workspace counts (attention_workspace.py; None counts none)."""
     args, kwargs = tree_map(_detached, (args, kwargs))
     input_bytes = _distinct_bytes((args, kwargs))
     saved, peak, sizes = {}, {}, {}
     for option in OPTIONS:
         candidate = copy.copy(block)  # shares the parameters, gets its own forward to wrap
-        candidate.forward = fused_forward(candidate.forward, like_cpu)
+        candidate.forward = fused_forward(candidate.forward, like_cpu, attention)
         meter = SavedBytesMeter()
         checkpoint_block(candidate, option, save_ops, meter)
-        live = LiveBytes()
+        live = LiveBytes(workspace_rule(attention))
         with live:
             with meter.measure():
                 out = candidate(*args, **kwargs)
@@ -254,18 +275,20 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequenc
         saved[option] = meter.bytes
         sizes[option] = tuple(meter.sizes)
         peak[option] = max(forward_peak, backward_peak)
-    forward_flops, saved_op_flops, tile_flops = _forward_flops(block, args, kwargs,
-                                                               save_op_names, like_cpu)
+    forward_flops, saved_op_flops, tile_flops, attention_flops = _forward_flops(
+        block, args, kwargs, save_op_names, like_cpu)
     recompute = {"none": 0, "full": forward_flops,
                  "selective": max(0, forward_flops - saved_op_flops)}
     return BlockMeasure(saved_bytes=saved, peak_bytes=peak, forward_flops=forward_flops,
-                        recompute_flops=recompute, storage_sizes=sizes, tile_flops=tile_flops)
+                        recompute_flops=recompute, storage_sizes=sizes, tile_flops=tile_flops,
+                        attention_flops=attention_flops,
+                        workspace_bytes=live.workspace_peak)
 
 
 def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: Sequence[str],
-                   like_cpu: bool = False) -> tuple[int, int, int]:
+                   like_cpu: bool = False) -> tuple[int, int, int, int]:
     """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps, FLOPs inside its
-    sequence-tiled modules) of one block."""
+    sequence-tiled modules, attention's FLOPs) of one block."""
     counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})
     tiled = [m for m in block.modules() if (getattr(m, "_blocktrain_tiles", None) or 1) > 1]
     inside = [0, 0]  # (FLOPs counted when the tiled module started, FLOPs inside them)
@@ -288,7 +311,7 @@ def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: S
     kept = set(save_op_names)
     saved_flops = sum(n for op, n in by_op.items() if getattr(op, "__name__", str(op)) in kept
                       or str(op).split(".")[-1] in kept)
-    return counter.get_total_flops(), saved_flops, inside[1]
+    return counter.get_total_flops(), saved_flops, inside[1], by_op.get(_FLASH_CPU, 0)
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -339,11 +362,14 @@ def measure_head(model: nn.Module, blocks: Sequence[nn.Module],
 
 def profile_on_meta(model: nn.Module, block_names: Sequence[str], blocks: Sequence[nn.Module],
                     run_forward: Callable[[nn.Module], torch.Tensor], save_ops: Sequence,
-                    save_op_names: Sequence[str], like_cpu: bool = False) -> MetaProfile:
+                    save_op_names: Sequence[str], like_cpu: bool = False,
+                    attention: Optional[str] = None) -> MetaProfile:
     """Everything the memory model needs about activations, from meta runs only.
 
-    like_cpu: measure what a CPU run keeps (see FusedAttentionOnMeta); else a GPU's kernels."""
-    with FusedAttentionOnMeta(like_cpu):
+    like_cpu: measure what a CPU run keeps (see FusedAttentionOnMeta); else a GPU's kernels.
+    attention: the GPU's SDPA backend (model.attention resolved), whose workspace counts."""
+    attention = None if like_cpu else attention
+    with FusedAttentionOnMeta(like_cpu, attention):
         trace = trace_on_meta(model, blocks, run_forward)
     head = measure_head(model, blocks, run_forward, like_cpu)
     cache: dict[tuple, BlockMeasure] = {}
@@ -351,10 +377,13 @@ def profile_on_meta(model: nn.Module, block_names: Sequence[str], blocks: Sequen
     for block, (args, kwargs) in zip(blocks, trace.block_args, strict=True):
         key = _signature(block, args, kwargs)
         if key not in cache:
-            cache[key] = measure_block(block, args, kwargs, save_ops, save_op_names, like_cpu)
+            cache[key] = measure_block(block, args, kwargs, save_ops, save_op_names, like_cpu,
+                                       attention)
         measures.append(cache[key])
     return MetaProfile(block_names=tuple(block_names), blocks=tuple(measures),
-                       rest_bytes=trace.rest_saved_bytes, head=head)
+                       rest_bytes=trace.rest_saved_bytes, head=head, attention_backend=attention,
+                       attention_workspace_bytes=max((m.workspace_bytes for m in measures),
+                                                     default=0))
 
 
 def cast_like_fsdp(model: nn.Module, blocks: Sequence[nn.Module], dtype: torch.dtype) -> list:

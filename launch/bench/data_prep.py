@@ -1,22 +1,28 @@
 """Benchmark the preparation of chat and text data against the plain library call, in one run.
 
-    python -m launch.bench.data_prep [--chats 4000] [--texts 20000] [--repeats 3]
+    python -m launch.bench.data_prep [--chats 4000] [--texts 4000] [--vocab 32000] [--repeats 2]
 
-For each template (ChatML, a Llama-3-style one, a SentencePiece `[INST]` one: trainer/data/demo.py
-builds their tokenizers here, no download) and for `data=text`, on the same records, in turns
+Records: generated ones of a real chat set's length (launch/bench/chat_corpus.py: 1-8
+exchanges, ~590 words and ~900 tokens a conversation; texts of 50-1,500 words). Tokenizers, one
+per template, learned here on those records with `tokenizers` (no download), --vocab ids:
+ChatML and Llama-3 (byte-level BPE) and a SentencePiece-style `[INST]` one (Mistral's shape:
+pieces with the ▁ of a converted SentencePiece model); `data=text` uses the ChatML one. In turns
 (each repeat runs every contender once, so a load that comes and goes falls on all of them):
 
 - `plain`: the library's own calls a user would write, per batch of 256: one
   `apply_chat_template(batch, tokenize=False)` and one `tokenizer(texts,
-  return_offsets_mapping=True)` (text: `tokenizer(texts)`); no masks.
-- `ours`: blocktrain's preparation (trainer/data/tokenize_docs.py's `tokenize`: `datasets`' map
-  over the records, assistant masks checked, bad records named), `data.num_proc` 1 and 2.
-- `before` (chat, the first 300 records): the per-conversation way (trainer/data/chat.py's
+  return_offsets_mapping=True)` (text: `tokenizer(texts)`); no masks, no checks.
+- `ours_1`, `ours_2`: blocktrain's preparation (trainer/data/tokenize_docs.py's `tokenize`:
+  `datasets`' map over the records, assistant masks found and checked, bad records named),
+  `data.num_proc` 1 and 2.
+- `before` (chat, the first --before records): the per-conversation way (trainer/data/chat.py's
   `chat_tokens`), which the preparation used until 2026-12-04.
 
-Each figure is the best of --repeats: conversations/s and tokens/s, and ours over plain. The
-tokenizers are small (400 ids); real ones tokenize slower, which makes the fixed costs ours adds
-a smaller share.
+Each figure is the best of --repeats: conversations (documents) per second and tokens per
+second; `vs plain` is ours over plain; `same` says ours made as many tokens as plain did (chat:
+the rendered text's; text: plus one eos a document). The fast tokenizer's batch call uses every
+core by itself (Rust threads) in `plain` and `ours_1` alike; the `datasets` workers of `ours_2`
+run it in one thread each.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ def _timed(run) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def bench_one(name: str, tokenizer, records, rows: list, repeats: int) -> dict:
+def bench_one(name: str, tokenizer, records, rows: list, repeats: int, before: int) -> dict:
     """Best seconds and tokens of each contender on `records` (a datasets.Dataset of `rows`)."""
     kind = "text" if name == "text" else "chat"
     payload = ([r["text"] for r in rows] if kind == "text"
@@ -78,59 +84,92 @@ def bench_one(name: str, tokenizer, records, rows: list, repeats: int) -> dict:
         "ours_2": lambda: _ours(records, tokenizer, kind, 2),
     }
     if kind == "chat":
-        contenders["before"] = lambda: _before(tokenizer, payload[:300])
+        contenders["before"] = lambda: _before(tokenizer, payload[:before])
     best: dict = {}
     for _ in range(repeats):
         for label, run in contenders.items():
             seconds, tokens = _timed(run)
             if label not in best or seconds < best[label][0]:
                 best[label] = (seconds, tokens)
-    count = {label: (300 if label == "before" else len(rows)) for label in best}
+    count = {label: (min(before, len(rows)) if label == "before" else len(rows))
+             for label in best}
     return {label: {"s": s, "tokens": t, "docs_per_s": count[label] / s, "tokens_per_s": t / s}
             for label, (s, t) in best.items()}
 
 
-def _records(root: Path, name: str, chats: int, texts: int):
+def _records(root: Path, name: str, rows: list):
     import datasets
 
-    from trainer.data.demo import chat_records, text_records, write_jsonl
+    from trainer.data.demo import write_jsonl
 
-    rows = text_records(texts, seed=1) if name == "text" else chat_records(chats, seed=1)
-    if name == "mistral":  # its template has no place for a system prompt
-        rows = [{**r, "messages": r["messages"][1:]} for r in rows]
     path = write_jsonl(root / f"{name}.jsonl", rows)
     return datasets.load_dataset("json", data_files=str(path), split="train",
-                                 cache_dir=str(root / "hf")), rows
+                                 cache_dir=str(root / "hf"))
 
 
-def main(argv=None) -> None:
+def _tokenizer(root: Path, shape: str, vocab: int, rows: list):
+    from transformers import AutoTokenizer
+
+    from launch.bench.chat_corpus import corpus
+    from trainer.data.demo import make_shaped_tokenizer
+
+    return AutoTokenizer.from_pretrained(str(make_shaped_tokenizer(
+        root / f"tok_{shape}", shape, vocab, corpus(rows))))
+
+
+def _rows(args) -> dict:
+    from launch.bench.chat_corpus import conversations, documents
+
+    chats = conversations(args.chats, seed=1)
+    # the [INST] template has no place for a system prompt
+    return {"chatml": chats, "llama3": chats,
+            "mistral": [{**r, "messages": r["messages"][1:]} for r in chats],
+            "text": documents(args.texts, seed=2)}
+
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.data_prep",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--chats", type=int, default=4000)
-    parser.add_argument("--texts", type=int, default=20000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--texts", type=int, default=4000)
+    parser.add_argument("--vocab", type=int, default=32000, help="each tokenizer's ids")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--before", type=int, default=100,
+                        help="conversations the per-conversation way prepares")
     args = parser.parse_args(argv)
     import datasets
-    from transformers import AutoTokenizer
-
-    from trainer.data.demo import make_shaped_tokenizer
 
     datasets.disable_progress_bars()
     root = Path(tempfile.mkdtemp(prefix="blocktrain-data-prep-"))
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start; "
-          f"best of {args.repeats}; {args.chats:,} conversations, {args.texts:,} texts")
-    print(f"{'data':<8} {'who':<8} {'docs/s':>9} {'tokens/s':>11} {'vs plain':>9}")
-    for name in (*TEMPLATES, "text"):
-        tokenizer = AutoTokenizer.from_pretrained(str(make_shaped_tokenizer(
-            root / f"tok_{name}", "chatml" if name == "text" else name)))
-        records, rows = _records(root, name, args.chats, args.texts)
-        result = bench_one(name, tokenizer, records, rows, args.repeats)
-        plain = result["plain"]["tokens_per_s"]
+    rows = _rows(args)
+    tokenizers = {name: _tokenizer(root, "chatml" if name == "text" else name, args.vocab,
+                                   rows["chatml" if name == "text" else name])
+                  for name in (*TEMPLATES, "text")}
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f} at the start; best of {args.repeats}; "
+          f"{args.chats:,} generated conversations, {args.texts:,} texts; "
+          f"tokenizers of {args.vocab:,} ids")
+    print(f"{'data':<8} {'who':<8} {'docs/s':>9} {'tokens/s':>11} {'vs plain':>9} "
+          f"{'tokens':>11} {'same':>5}")
+    results = {}
+    for name, tokenizer in tokenizers.items():
+        records = _records(root, name, rows[name])
+        result = results[name] = bench_one(name, tokenizer, records, rows[name], args.repeats,
+                                           args.before)
+        plain = result["plain"]
+        extra = len(rows[name]) if name == "text" else 0  # ours adds eos to each document
         for label, row in result.items():
+            same = ("" if label == "before" else
+                    "yes" if row["tokens"] == plain["tokens"] + (extra if "ours" in label else 0)
+                    else "NO")
             print(f"{name:<8} {label:<8} {row['docs_per_s']:>9,.0f} {row['tokens_per_s']:>11,.0f} "
-                  f"{row['tokens_per_s'] / plain:>8.0%}")
-        print(f"{name:<8} num_proc 2 / 1: {result['ours_1']['s'] / result['ours_2']['s']:.2f}x")
+                  f"{row['tokens_per_s'] / plain['tokens_per_s']:>8.0%} {row['tokens']:>11,} "
+                  f"{same:>5}")
+            row["same"] = same
+        print(f"{name:<8} num_proc 2 / 1: {result['ours_1']['s'] / result['ours_2']['s']:.2f}x; "
+              f"{plain['tokens'] / len(rows[name]):,.0f} tokens a record")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    return results
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from sharding.layout import Layout
 from sharding.ring import sample_slice
 from trainer.config import ConfigError
 from trainer.data.prefetch import Prefetcher
-from trainer.data.tokens import step_counts, train_batch, val_batches
+from trainer.data.tokens import step_counts, train_batch
+from trainer.data.validation import default_samples, val_share
 from trainer.faults import TimeoutWatchdog
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, targets), or packed: (inputs, targets, positions)
@@ -87,9 +88,28 @@ class Sampling:
 class Data:
     """What the Trainer reads: `batch(index)` is this rank's micro-batches of the global batch
     `index` and that step's (supervised, real) token counts over every rank (None where the
-    data does not count them); `val` is this rank's validation batches."""
+    data does not count them); `val` is this rank's validation batches, `val_weights` each
+    one's real samples over a full micro-batch's (0: a stand-in), of `val_samples` over every
+    rank (trainer/data/validation.py)."""
 
+    sampling: Sampling
     val: list
+    val_weights: list[float]
+    val_samples: int
+
+    def _validate_on(self, dataset, samples: Optional[int] = None) -> None:
+        s = self.sampling
+        self._val_set = dataset
+        self.val_samples = samples or default_samples(s.eval_batches, s.micro_batch_size,
+                                                      s.data_size)
+        batches, rows = val_share(dataset, self.val_samples, s.micro_batch_size, s.data_rank,
+                                  s.data_size)
+        self.val, self.val_weights = s.sliced(batches), [r / s.micro_batch_size for r in rows]
+
+    def keep_validation(self, samples: int) -> None:
+        """Score these many validation samples from here on (a checkpoint's: the set it was
+        scored on before, whatever the world size, degree and micro-batch now)."""
+        self._validate_on(self._val_set, samples)
 
     def batch(self, index: int) -> tuple[list[Batch], Counts]:
         raise NotImplementedError
@@ -118,9 +138,7 @@ class SampledData(Data):
 
     def __init__(self, train, val, sampling: Sampling, workers: int) -> None:
         self.train, self.sampling = train, sampling
-        self.val = sampling.sliced(val_batches(val, sampling.eval_batches,
-                                               sampling.micro_batch_size, sampling.data_rank,
-                                               sampling.data_size))
+        self._validate_on(val)
         # The global batch index at which the window order starts: 0, or where a resume on
         # changed data went on with a new order (data.on_change=new_epoch).
         self.origin = 0
@@ -158,9 +176,7 @@ class StreamedData(Data):
     def __init__(self, stream, val, sampling: Sampling, workers: int, device: torch.device,
                  watchdog: TimeoutWatchdog) -> None:
         self.stream, self.sampling, self.device, self.watchdog = stream, sampling, device, watchdog
-        self.val = sampling.sliced(val_batches(val, sampling.eval_batches,
-                                               sampling.micro_batch_size, sampling.data_rank,
-                                               sampling.data_size))
+        self._validate_on(val)
         self._ahead = Prefetcher(stream.read, workers)
 
     def batch(self, index: int) -> tuple[list[Batch], Counts]:

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from trainer.config import DataConfig
 
@@ -155,10 +155,12 @@ SHAPES = {
 }
 
 
-def make_shaped_tokenizer(folder: Path, shape: str, vocab_size: int = 400) -> Path:
+def make_shaped_tokenizer(folder: Path, shape: str, vocab_size: int = 400,
+                          corpus: Optional[Iterable[str]] = None) -> Path:
     """A tokenizer folder with the template and special tokens of `shape` (SHAPES), its pieces
     learned from conversations rendered with that template (so merges across a turn's boundary
-    are learned where the template joins text without a space, as real vocabularies do)."""
+    are learned where the template joins text without a space, as real vocabularies do), or
+    from the texts of `corpus` (a benchmark's: a real vocabulary's size needs more text)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -177,7 +179,8 @@ def make_shaped_tokenizer(folder: Path, shape: str, vocab_size: int = 400) -> Pa
         tok.decoder = decoders.Replace("▁", " ")
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(_rendered_corpus(template, specials), trainer)
+    tok.train_from_iterator(_rendered_corpus(template, specials) if corpus is None else corpus,
+                            trainer)
     if pieces == "metaspace":  # then read whole texts, as converted SentencePiece models do
         tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme="first", split=False)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,

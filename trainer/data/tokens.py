@@ -239,7 +239,8 @@ def _distinct(values: np.ndarray) -> list[int]:
     return sorted(set(values.tolist()))
 
 
-def _stack(dataset: Windows, window_ids: np.ndarray, draws: np.ndarray | None = None) -> Batch:
+def stack_windows(dataset: Windows, window_ids: np.ndarray,
+                  draws: np.ndarray | None = None) -> Batch:
     """The batch of these windows; `draws` (global sample positions) let a dataset with a
     `sample(window, draw)` method vary a training sample by where it falls (augmentation)."""
     if draws is not None and hasattr(dataset, "sample"):
@@ -255,7 +256,7 @@ def _stack(dataset: Windows, window_ids: np.ndarray, draws: np.ndarray | None = 
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def _check_rank(dp_rank: int, dp_size: int) -> None:
+def check_rank(dp_rank: int, dp_size: int) -> None:
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
 
@@ -274,12 +275,12 @@ def train_batch(dataset: Windows, step: int, micro_batch_size: int, grad_accum: 
                          f"got {micro_batch_size} and {grad_accum}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    _check_rank(dp_rank, dp_size)
+    check_rank(dp_rank, dp_size)
     per_rank = micro_batch_size * grad_accum
     first = step * per_rank * dp_size + dp_rank * per_rank
     samples = np.arange(first, first + per_rank, dtype=np.int64)
     window_ids = windows_of(samples, dataset.num_windows, seed)
-    return [_stack(dataset, window_ids[m * micro_batch_size:(m + 1) * micro_batch_size],
+    return [stack_windows(dataset, window_ids[m * micro_batch_size:(m + 1) * micro_batch_size],
                    samples[m * micro_batch_size:(m + 1) * micro_batch_size])
             for m in range(grad_accum)]
 
@@ -302,25 +303,6 @@ def step_counts(dataset, step: int, global_batch: int, seed: int) -> tuple[int, 
         return None
     samples = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
     return dataset.supervised_and_real(windows_of(samples, dataset.num_windows, seed))
-
-
-def val_batches(dataset: Windows, num_batches: int, micro_batch_size: int,
-                dp_rank: int, dp_size: int) -> list[Batch]:
-    """This rank's share of the fixed validation set, in micro-batches of mbs.
-
-    Global validation samples are 0 .. num_batches*mbs*dp_size - 1 in order
-    (window = sample % N, no shuffling); rank r takes a contiguous block, so the
-    ranks together always score the same windows whatever dp_size is.
-    """
-    if num_batches < 1 or micro_batch_size < 1:
-        raise ValueError(f"num_batches and micro_batch_size must be >= 1, "
-                         f"got {num_batches} and {micro_batch_size}")
-    _check_rank(dp_rank, dp_size)
-    per_rank = num_batches * micro_batch_size
-    samples = np.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank, dtype=np.int64)
-    window_ids = samples % dataset.num_windows
-    return [_stack(dataset, window_ids[b * micro_batch_size:(b + 1) * micro_batch_size])
-            for b in range(num_batches)]
 
 
 # ---------------------------------------------------------------- assembly

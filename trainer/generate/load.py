@@ -94,7 +94,11 @@ def load(path: str, device: torch.device, tokenizer: Optional[str] = None) -> Lo
     if name is None:
         raise GenerateError(f"{folder}: the run does not say which tokenizer made its ids "
                             "(data=tokens or synthetic); pass --tokenizer FOLDER")
-    _fill(model, tensors if tensors is not None else load_model_state(folder), device)
+    if tensors is None:  # a LoRA run's checkpoint: its adapters merged into the base
+        from trainer.state.export_lora import merged_tensors
+
+        tensors = merged_tensors(load_model_state(folder), model_cfg)
+    _fill(model, tensors, device)
     return Loaded(lambda tokens: model(tokens), _tokenizer(name), limit, device, folder,
                   _eos_ids(folder, m.path))
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from checkpointing.head import summed_head_loss
 from checkpointing.tiles import mark_tiled, tiled
+from trainer.models.attention_tiles import add_query_tiles, tiled_attention
 from trainer.models.doc_attention import DocumentMask, choose_backend, masked_attention
 from trainer.models.sequence_parallel import group_place, sliced_rope_and_mask
 from trainer.models.llama_counts import (count_params, flops_per_token,  # noqa: F401
@@ -165,10 +166,9 @@ class Block(nn.Module):
     """Pre-norm transformer block, called as ``block(hidden, rope)`` or, packed,
     ``block(hidden, rope, mask)``.
 
-    In sequence tiles (`tile`), its two token-wise functions of the residual stream compute a
-    slice of the tokens at a time (checkpointing/tiles.py), each norm with its consumer: the
-    attention's input side (attention_norm, then wq/wk/wv) and the MLP half (ffn_norm, then
-    feed_forward). Rotary, attention itself and wo stay whole."""
+    In sequence tiles (`tile`), its token-wise parts compute a slice of the tokens at a time
+    (checkpointing/tiles.py): attention_norm with wq/wk/wv, ffn_norm with the MLP, and rotary,
+    attention (by query tiles) and wo (trainer/models/attention_tiles.py)."""
 
     attention_class = Attention  # a variant's block swaps its attention (trainer/models/qwen3.py)
 
@@ -188,6 +188,7 @@ class Block(nn.Module):
         for module in (self.attention_norm, self.attention.wq, self.attention.wk,
                        self.attention.wv, self.ffn_norm, self.feed_forward):
             mark_tiled(module, num_tiles)  # refuses a second time
+        add_query_tiles(self.attention, num_tiles)
         self.tiles = num_tiles
         return self
 
@@ -205,7 +206,7 @@ class Block(nn.Module):
         qkv = tiled(self._attention_inputs, x, n,
                     _trained(self.attention_norm, self.attention.wq, self.attention.wk,
                              self.attention.wv))
-        h = x + self.residual_dropout(self.attention.mix(*self.attention.split(qkv), rope, mask))
+        h = x + self.residual_dropout(tiled_attention(self.attention, qkv, rope, mask, n))
         mlp = tiled(self._mlp_half, h, n, _trained(self.ffn_norm, self.feed_forward))
         return h + self.residual_dropout(mlp)
 

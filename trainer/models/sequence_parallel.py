@@ -80,6 +80,7 @@ def ulysses_wrap(exchange: Exchange, options: Optional[Options] = None
             if options is not None:
                 kwargs = options(kwargs, q.shape[1], k.shape[1], exchange.size)
             return ulysses_attention(current, q, k, v, exchange, **kwargs)
+        attend.exchanges_tokens = True  # query tiles must not slice its sequences
         return attend
     return wrap
 
@@ -137,6 +138,7 @@ def ring_wrap(group: dist.ProcessGroup, options: RingOptions = llama_ring_option
                                  f"got shape {tuple(documents.shape)}")
             return ring_attention(q, k, v, group, causal=True, scale=scale,
                                   documents=documents)
+        attend.exchanges_tokens = True  # query tiles must not slice the ring place's tokens
         return attend
     return wrap
 

@@ -6,7 +6,10 @@ and after each op the bytes of all recorded storages still alive are summed; the
 the peak. Storages are summed at their current size rather than the size they were created with,
 because FSDP frees and re-allocates unsharded parameters by resizing their storage in place,
 which no op reports. Tensors alive before the mode starts (parameters, optimizer state, the
-batch) are passed in and count from the start. DTensors are counted by their local tensor.
+batch) are passed in and count from the start. DTensors are counted by their local tensor, and
+the functional collectives' AsyncCollectiveTensor (Ulysses' all-to-all results) by the tensor it
+wraps: a wrapper subclass has a storage object of its own, of the full size, but no memory, and
+every view of one is a new wrapper (counting them over-counted a sequence-parallel step).
 Temporaries a kernel allocates internally and frees before returning are not seen; neither are
 they in the memory model.
 """
@@ -17,6 +20,7 @@ import weakref
 from typing import Iterable
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -36,6 +40,8 @@ class _LiveTensorBytes(TorchDispatchMode):
     def _record(self, tensor: torch.Tensor) -> None:
         if isinstance(tensor, DTensor):
             tensor = tensor.to_local()
+        while isinstance(tensor, AsyncCollectiveTensor):
+            tensor = tensor.elem
         if not isinstance(tensor, torch.Tensor):
             return
         storage = tensor.untyped_storage()

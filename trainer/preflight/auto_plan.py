@@ -123,7 +123,8 @@ def flop_timing(evaluator: Evaluator) -> Timer:
         rest = rest_flops(cfg, profile, degree) * spf
         timing = Timing(tuple({o: f * spf for o, f in m.recompute_flops.items()}
                               for m in profile.blocks),
-                        tuple(3 * m.forward_flops * spf for m in profile.blocks), rest,
+                        tuple((3 * m.forward_flops + 0.5 * m.attention_flops) * spf
+                              for m in profile.blocks), rest,
                         NOMINAL_SECONDS_PER_BYTE.get(cfg.offload.target))
         return with_sequence_costs(timing, profile, scenario, spf), None
     return timer
@@ -155,23 +156,24 @@ def with_sequence_costs(timing: Timing, profile, scenario: Scenario,
 
 def rest_flops(cfg: Config, profile, degree: int = 1) -> float:
     """Training FLOPs of one micro-batch outside the blocks (embedding, head, loss), on one
-    rank of a sequence group of `degree`."""
+    rank of a sequence group of `degree`: the output layer's matmuls, 6 FLOPs per weight and
+    token it sees (forward and backward; a language model's tokens, on the supervised rows only
+    where it gathers them; a classifier's one pooled token per sample). The embedding is a
+    lookup; norms and the loss are elementwise. (Not the model's conventional count less the
+    blocks': that counts attention without its causal mask, and the blocks' count has it.)"""
     from trainer.build import build_on_meta
-    from trainer.models.families import family_of
     from trainer.task import task_for
 
     task = task_for(cfg.model, cfg.data, cfg.checkpointing)
-    tokens, model = task.tokens_per_sample, build_on_meta(cfg.model)
-    total = family_of(cfg.model).flops_per_token(cfg.model, model, tokens) * tokens
+    model = build_on_meta(cfg.model)
+    head = set(profile.head.grad_param_names)
+    matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
+    tokens = task.tokens_per_sample if task.kind == "lm" else 1
     if task.gather_rows:  # the output layer runs on the supervised rows only
-        head = set(profile.head.grad_param_names)
-        matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
-        total -= 6 * matmul * tokens * (1 - task.meta_fraction)
-    # A rank of a sequence group computes 1/N of each sample (its tokens, its heads), and
-    # 1/M more of it in a ring of M (sharding.context).
-    total /= degree * cfg.sharding.context
-    blocks = 3 * sum(m.forward_flops for m in profile.blocks)
-    return max(0.0, total * cfg.train.micro_batch_size - blocks)
+        tokens *= task.meta_fraction
+    # A rank of a sequence group computes 1/N of each sample (its tokens), and 1/M more of it
+    # in a ring of M (sharding.context).
+    return 6.0 * matmul * tokens / (degree * cfg.sharding.context) * cfg.train.micro_batch_size
 
 
 # checkpointing.tiles=auto tries 1, 2, 4, ... up to this many tiles (or one token per tile).

@@ -43,11 +43,13 @@ def deep_check(cfg: Config, layout=None, gpus_per_node: int = 1) -> None:
         _save_ops(cfg)
         family_of(cfg.model).check_deep(cfg.model)
         _blocks(cfg)
+        _lora(cfg)
         _data(cfg)
         _head(cfg)
         _sequence(cfg, layout)
         if layout is not None:
             _memory(cfg, layout, gpus_per_node)
+            _host(cfg, layout, gpus_per_node)
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -85,12 +87,35 @@ def _memory(cfg: Config, layout, gpus_per_node: int) -> None:
            flop_timing(evaluator))
 
 
+def _host(cfg: Config, layout, gpus_per_node: int) -> None:
+    """A plan that pins more host memory per node than the node has (less
+    train.host_reserve_gib): one line before training (trainer/preflight/host_memory.py)."""
+    if cfg.offload.target != "cpu" and not cfg.sharding.cpu_offload:
+        return
+    import torch
+
+    from trainer.preflight.host_memory import check_node
+
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto"
+                                          and torch.cuda.is_available())
+    check_node(cfg, layout, gpus_per_node, "cuda" if cuda else "cpu")
+
+
 def _blocks(cfg: Config) -> None:
     if cfg.model.block_pattern is None:
         return
     from trainer.build import build_on_meta, find_model_blocks
 
     find_model_blocks(build_on_meta(cfg.model), cfg.model)
+
+
+def _lora(cfg: Config) -> None:
+    """model.lora: its targets (and what quantize needs) against the meta model, which
+    build_on_meta adapts (trainer/models/families/lora.py refuses a pattern matching no layer)."""
+    if cfg.model.lora.on:
+        from trainer.build import build_on_meta
+
+        build_on_meta(cfg.model)
 
 
 def _sequence(cfg: Config, layout) -> None:

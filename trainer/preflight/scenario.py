@@ -24,8 +24,9 @@ from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
 from sharding.ring import MetaRingExchange
 from sharding.sequence import MetaExchange
-from trainer.build import build_on_meta, find_model_blocks
+from trainer.build import build_run_model, find_model_blocks, lora_base_dtype
 from trainer.config import Config, tile_count
+from trainer.models.attention_backend import resolve as resolve_attention
 from trainer.models.families import family_of
 from sharding.layout import Layout
 from trainer.validate import validate
@@ -167,10 +168,14 @@ class Evaluator:
     """Predicts scenarios, tracing each distinct activation shape on meta only once."""
 
     def __init__(self, tflops: float, optimizer_foreach: bool = True,
-                 device_type: str = "cuda") -> None:
+                 device_type: Optional[str] = None) -> None:
         self.seconds_per_flop = 1.0 / (tflops * 1e12)
         self.optimizer_foreach = optimizer_foreach
-        self.device_type = device_type  # cpu: attention as the CPU runs it (metatrace.py)
+        # cpu: attention as the CPU runs it (metatrace.py); cuda: a GPU's kernels, their
+        # backward workspace included (attention_workspace.py); None: a GPU's kernels' own
+        # bytes without it, which a CPU step's flash kernel keeps too (the CPU comparisons).
+        self.device_type = device_type or "cuda"
+        self.gpu_workspace = device_type == "cuda"
         self._profiles: dict[tuple, tuple[MetaProfile, list[ParamGroup], torch.dtype]] = {}
 
     def profile(self, cfg: Config, degree: int = 1
@@ -187,11 +192,14 @@ class Evaluator:
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
                tuple(cfg.checkpointing.save_ops), task.head_chunk, task.gather_rows,
-               task.meta_fraction, degree, cfg.sharding.context, tiles)
+               task.meta_fraction, degree, cfg.sharding.context, tiles, self.attention(cfg),
+               lora_base_dtype(cfg))
         if key not in self._profiles:
-            model = build_on_meta(cfg.model)
+            model = build_run_model(cfg)
             names, blocks = find_model_blocks(model, cfg.model)
-            orig_dtype = next(model.parameters()).dtype
+            # The trained parameters' dtype (LoRA's frozen base may be stored in another).
+            orig_dtype = next((p.dtype for p in model.parameters() if p.requires_grad),
+                              next(model.parameters()).dtype)
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
@@ -204,12 +212,18 @@ class Evaluator:
             profile = profile_on_meta(model, names, blocks,
                                       lambda m: task.loss(m, inputs, targets),
                                       resolve_ops(names_ops), names_ops,
-                                      like_cpu=self.device_type == "cpu")
+                                      like_cpu=self.device_type == "cpu",
+                                      attention=self.attention(cfg))
             if exchange is not None or ring is not None:
                 profile = self._count_sent(profile, task, model, inputs, targets, exchange,
                                            ring, len(blocks))
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]
+
+    def attention(self, cfg: Config) -> Optional[str]:
+        """The GPU attention kernel whose workspace this prediction counts (model.attention,
+        auto predicted), or None."""
+        return resolve_attention(cfg, "cuda")[0] if self.gpu_workspace else None
 
     def _count_sent(self, profile: MetaProfile, task, model, inputs, targets,
                     exchange: Optional[MetaExchange], ring: Optional[MetaRingExchange],

@@ -122,6 +122,9 @@ def table(outcome, tflops: float) -> str:
         f"{est.recompute_flops * outcome.seconds_per_flop:.3f} s at a nominal {tflops:g} TFLOP/s "
         "per GPU (--tflops)",
     ]
+    frozen = frozen_line(outcome)
+    if frozen:
+        lines.append(frozen)
     if est.host:
         lines.append(f"host memory (sharding.cpu_offload): parameters, gradients and optimizer "
                      f"state {est.host / GIB:.2f} GiB per rank, not on the GPU")
@@ -141,6 +144,41 @@ def table(outcome, tflops: float) -> str:
     return "\n".join(lines)
 
 
+def frozen_line(outcome) -> Optional[str]:
+    """What the frozen parameters (model.lora's base, model.freeze) cost, where some are: the
+    parameters line above holds their storage, the unsharded line a block's dequantized weight."""
+    import math
+
+    from checkpointing.planner.param_bytes import sharded_numel
+
+    sc = outcome.scenario
+    shard = sc.layout.shard if sc.cfg.sharding.mode != "none" else 1
+    trained = stored = dense = 0
+    frozen = False
+    for g in outcome.groups:
+        n = len(g.shapes)
+        for shape, is_trained, size in zip(g.shapes, g.trained or (True,) * n,
+                                           g.itemsizes or (4,) * n):
+            if is_trained:
+                trained += math.prod(shape or (1,))
+            else:
+                frozen = True
+                stored += sharded_numel(shape, shard) * size
+        dense = max(dense, g.transient_numel)
+    if not frozen:
+        return None
+    lora = sc.cfg.model.lora
+    what = (f"model.lora r={lora.rank}" + (", base in nf4" if lora.quantize == "nf4" else "")
+            if lora.on else "model.freeze")
+    line = (f"frozen ({what}): {trained / 1e6:,.3f}M parameters trained; the frozen rest has "
+            f"no gradients nor optimizer state, stored {stored / GIB:.2f} GiB per rank")
+    if dense:
+        compute = 2 if sc.cfg.sharding.param_dtype in ("bfloat16", "float16") else 4
+        line += (f"; a block's largest dequantized weight {dense * compute / GIB:.2f} GiB while "
+                 "it runs (in the unsharded line)")
+    return line
+
+
 def sequence_text(sc, tokens: int) -> str:
     """', sequence 8 (1/8 of each sample's tokens on this rank), MLP in 16 tiles'."""
     degree, tiles, context = sc.layout.degree, tile_count(sc.cfg.checkpointing), sc.layout.context
@@ -151,17 +189,11 @@ def sequence_text(sc, tokens: int) -> str:
     return text + (f", {tiles} sequence tiles" if tiles > 1 else "")
 
 
-def host_check(outcome, host_capacity: Optional[int]) -> list[str]:
-    """Lines on host memory: per node against --host-memory-gib, and the pinned pool
-    (offload.max_host_bytes) against what one rank offloads."""
+def host_check(outcome) -> list[str]:
+    """The pinned pool (offload.max_host_bytes) against what one rank offloads (the host
+    verdict itself is trainer/preflight/host_memory.py's)."""
     est, sc = outcome.estimate, outcome.scenario
     lines = []
-    per_node = (est.host + est.host_activations) * sc.gpus_per_node
-    if host_capacity is not None and per_node:
-        lines.append(f"host memory fits: {per_node / GIB:.2f} of {host_capacity / GIB:.2f} GiB "
-                     "per node" if per_node <= host_capacity else
-                     f"host memory does NOT fit: {per_node / GIB:.2f} GiB per node needed, "
-                     f"--host-memory-gib {host_capacity / GIB:.2f}")
     pool = sc.cfg.offload.max_host_bytes
     if est.host_activations > pool:
         lines.append(f"offload.max_host_bytes: the pinned pool ({pool / GIB:.2f} GiB) holds less "
@@ -169,12 +201,6 @@ def host_check(outcome, host_capacity: Optional[int]) -> list[str]:
                      f"(what does not fit stays on the GPU); set offload.max_host_bytes="
                      f"{-(-est.host_activations // GIB) * GIB} or more")
     return lines
-
-
-def host_fits(outcome, host_capacity: Optional[int]) -> bool:
-    est, sc = outcome.estimate, outcome.scenario
-    per_node = (est.host + est.host_activations) * sc.gpus_per_node
-    return host_capacity is None or per_node <= host_capacity
 
 
 def not_modeled(cfg) -> list[str]:

@@ -307,6 +307,7 @@ class Checkpointer:
             metadata = reader.read_metadata()
         except UnsafeMetadata as error:
             raise CheckpointError(f"{error}. Use a checkpoint from a trusted source") from None
+        self._same_lora(folder)
         mismatches = shape_mismatches(metadata, model_state)
         if mismatches:
             raise CheckpointError(self._another_model(folder, mismatches))
@@ -331,6 +332,21 @@ class Checkpointer:
         step = int(os.path.basename(folder)[len("step_"):])
         self.last_committed = step
         return Loaded(folder, state, rng_restored)
+
+    def _same_lora(self, folder: str) -> None:
+        """Other adapters (model.lora) than were trained are another run, even where every
+        shape fits (alpha, dropout): refused in one line."""
+        from trainer.config import ConfigError
+        from trainer.models.families.lora_settings import lora_changes
+
+        with open(os.path.join(folder, STATE)) as f:  # a bare test state may say nothing
+            saved = json.load(f).get("config", {}).get("model", {}).get("lora")
+        changed = lora_changes(saved, self.model_settings.get("lora"))
+        if changed:  # named by the first setting that changed: the one to set back
+            key, rest = changed[0].split(" ", 1)
+            raise ConfigError(key, f"{', '.join([rest, *changed[1:]])} since the save of "
+                              f"{folder}, which trained other adapters; set it back to "
+                              "resume, or start over with save.resume=false")
 
     def _another_model(self, folder: str, mismatches: list[str]) -> str:
         """Which parameters differ, and which model.* settings changed since the save."""

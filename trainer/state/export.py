@@ -30,6 +30,7 @@ from trainer.config import ModelConfig
 from trainer.data.factory import tokenizer_of_run
 from trainer.data.run_tokenizer import load_run_tokenizer
 from trainer.models.families import Family, family_of_saved
+from trainer.config import LoraSettings
 from trainer.state.meta import SafeReader, UnsafeMetadata
 from trainer.state.checkpoint import STATE, list_checkpoints, verify
 
@@ -68,18 +69,29 @@ def load_model_state(folder: str) -> dict[str, torch.Tensor]:
 def model_config(saved: Mapping) -> ModelConfig:
     """The dataclass of a checkpoint's model section (keys it does not know are dropped)."""
     known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in saved.items() if k in known})
+    values = {k: v for k, v in saved.items() if k in known}
+    if isinstance(values.get("lora"), Mapping):
+        values["lora"] = LoraSettings(**values["lora"])
+    return ModelConfig(**values)
 
 
-def export(folder: str, out: str) -> str:
+def export(folder: str, out: str, adapter: bool = False) -> str:
     """The checkpoint's model in the form its family exports (trainer/models/families/), with
-    the run's tokenizer and generation settings beside a language model's weights."""
+    the run's tokenizer and generation settings beside a language model's weights. A LoRA
+    run's: merged, or with `adapter` its adapters alone (trainer/state/export_lora.py)."""
+    from trainer.state.export_lora import export_adapter, export_merged, settings_of
+
     with open(os.path.join(folder, STATE)) as f:
         saved = json.load(f)
     tensors = {name: t.contiguous() for name, t in load_model_state(folder).items()}
     model_cfg, step = saved["config"]["model"], saved["progress"]["step"]
     family = family_of_saved(model_cfg)
-    out = family.export(tensors, model_cfg, out, step, folder)
+    if adapter:
+        out = export_adapter(tensors, model_cfg, out)
+    elif settings_of(model_cfg).on:
+        out = export_merged(tensors, model_cfg, out, step, folder)
+    else:
+        out = family.export(tensors, model_cfg, out, step, folder)
     if "data" in saved["config"]:  # older checkpoints and bare test states have none
         write_tokenizer(out, saved["config"]["data"], family, model_config(model_cfg))
     return out
@@ -112,11 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoints/step_<N> folder, or a run directory")
     parser.add_argument("--out", help="output folder (default: <checkpoint>/../../export/step_<N>)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--adapter", action="store_true", help="a LoRA run's adapters alone, in "
+                      "PEFT's format (PeftModel.from_pretrained on the base folder)")
+    kind.add_argument("--merged", action="store_true", help="a LoRA run's adapters merged into "
+                      "the base: a whole model folder (the default for a LoRA checkpoint)")
     args = parser.parse_args(argv)
     folder = _pick(args.checkpoint)
     out = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(folder))),
                                    "export", os.path.basename(folder))
-    export(folder, out)
+    export(folder, out, adapter=args.adapter)
     print(f"exported {folder} to {out}: {', '.join(sorted(os.listdir(out)))}")
     return 0
 

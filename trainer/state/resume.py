@@ -68,7 +68,8 @@ class RunRecord:
                 "sequence": self.layout.degree, "context": self.layout.context,
                 "seq_len": self.cfg.data.seq_len, "data_seed": self.cfg.train.seed,
                 "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg),
-                "data": None if self.data is None else self.data.record()}
+                "data": None if self.data is None else self.data.record(),
+                "val_samples": None if self.data is None else self.data.val_samples}
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -143,12 +144,9 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
         notes.append(f"global batch {state['global_batch_size']} x {state['seq_len']} tokens "
                      f"became {layout.global_batch_size} x {cfg.data.seq_len}: the data order "
                      "from here differs from the original run's")
-    was = _val_samples(state["config"], state["world_size"], saved_share)
-    is_ = _val_samples(dataclasses.asdict(cfg), layout.world_size, layout.share)
-    if was is not None and is_ is not None and was != is_:
-        notes.append(f"validation is {is_} samples now, {was} before (train.eval_batches x "
-                     "micro-batch x data-parallel groups): val_loss from here is not comparable "
-                     "with the values before this resume")
+    note = _same_validation(state, cfg, data)
+    if note is not None:
+        notes.append(note)
     saved, now = _flat(state["config"]), _flat(dataclasses.asdict(cfg))
     changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if changed:
@@ -157,9 +155,27 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
     return progress, "; ".join(notes)
 
 
+def _same_validation(state: dict, cfg: Config, data: Data) -> Optional[str]:
+    """Score the validation samples the checkpoint's run scored (trainer/data/validation.py),
+    whatever the world size, degree and micro-batch now, so val_loss goes on; a line where
+    that is not so: train.eval_batches changed (a new set asked for), or the checkpoint does
+    not say its set (saved before it was recorded, with an unresolved micro-batch)."""
+    was = state.get("val_samples") or _val_samples(
+        state["config"], state["world_size"], state.get("sequence", 1) * state.get("context", 1))
+    asked = state["config"].get("train", {}).get("eval_batches")
+    if was is None or asked != cfg.train.eval_batches:
+        if was is None or was == data.val_samples:
+            return None
+        return (f"validation is {data.val_samples} samples now, {was} before (train.eval_batches "
+                "changed): val_loss from here is not comparable with the values before")
+    if was != data.val_samples:
+        data.keep_validation(was)
+    return None
+
+
 def _val_samples(config: dict, world_size: int, sequence: int) -> Optional[int]:
-    """How many samples the validation set holds (trainer/data/tokens.py's val_batches: each
-    data-parallel group scores its own eval_batches micro-batches); None where unresolved."""
+    """How many samples a checkpoint's validation set held, for one saved before it recorded
+    it: each data-parallel group scored eval_batches micro-batches; None where unresolved."""
     train = config.get("train", {})
     micro, batches = train.get("micro_batch_size"), train.get("eval_batches")
     if not isinstance(micro, int) or not isinstance(batches, int):

@@ -109,22 +109,26 @@ class Task:
         correct = (logits.argmax(dim=-1) == targets).float().mean()
         return self.criterion(logits, targets), correct
 
-    def eval_metrics(self, loss: torch.Tensor, second: torch.Tensor, batches: int,
+    def eval_metrics(self, loss: torch.Tensor, second: torch.Tensor, batches: torch.Tensor,
                      mean: Callable[[torch.Tensor], float]) -> dict[str, float]:
-        """The validation figures from the sums over `batches` batches of eval_batch's two
-        results on this rank; `mean` averages a value over the ranks (a collective: every
-        rank calls it, in this order). val_loss; a classifier's val_accuracy (top-1) too."""
+        """The validation figures from the weighted sums of eval_batch's two results on this
+        rank over `batches` (full batches' worth: trainer/observe/evaluate.py); `mean` averages
+        a value over the ranks (a collective: every rank calls it, in this order). val_loss; a
+        classifier's val_accuracy (top-1) too: means over every rank's samples."""
         if self.summed:  # the mean over every rank's supervised targets
             return {"val_loss": mean(loss) / max(mean(second), 1e-30)}
-        metrics = {"val_loss": mean(loss / batches)}
+        counted = max(mean(batches), 1e-30)  # ranks may score different numbers of samples
+        metrics = {"val_loss": mean(loss) / counted}
         if self.kind == "classification":
-            metrics["val_accuracy"] = mean(second / batches)
+            metrics["val_accuracy"] = mean(second) / counted
         return metrics
 
 
 class Family:
     """The questions the trainer asks of a model family; a family module subclasses
     `LanguageModel` or `ImageClassifier` and answers the rest."""
+
+    takes_lora = False  # whether model.lora applies (language models)
 
     arch = ""  # the model.arch value that chooses this family (conf/model/*.yaml)
     # What one sample is, for the data sources to check theirs against (trainer/data/):
@@ -304,9 +308,17 @@ class LanguageModel(Family):
     cross-entropy) or the fused chunked head (checkpointing.head=chunked)."""
 
     sample = "tokens"
+    takes_lora = True  # model.lora adapts its blocks' linear layers (families/lora.py)
 
     def context_length(self, m: ModelConfig, model: nn.Module) -> Optional[int]:
         return m.max_seq_len
+
+    def adapter_tensor(self, name: str, tensor: torch.Tensor,
+                       model: Mapping) -> tuple[str, torch.Tensor]:
+        """A LoRA tensor's name (`<layer>.lora_A.weight`) and value as PEFT's adapter file
+        holds it for this family's transformers export; `name` is the layer's as the model
+        names it, with the adapter's part (families/lora.py's export_adapter)."""
+        raise NotImplementedError(f"{self.arch}: no transformers export to adapt")
 
     def head_chunk(self, m: ModelConfig, head: CheckpointingConfig) -> Optional[int]:
         """Tokens per chunk of the fused chunked head; None for the plain head."""

@@ -35,6 +35,11 @@ class HFCausalLM(LanguageModel):
     def own_tokenizer(self, m: ModelConfig) -> Optional[str]:
         return m.path
 
+    def adapter_tensor(self, name: str, tensor: torch.Tensor,
+                       model: Mapping) -> tuple[str, torch.Tensor]:
+        """transformers' names are the model's own, under the wrapper's `hf.`."""
+        return name.removeprefix("hf."), tensor
+
     def check_deep(self, m: ModelConfig) -> None:
         """The model type is one transformers knows, and it has a causal LM."""
         model_type = hf_fields(m).get("model_type")

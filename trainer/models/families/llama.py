@@ -189,6 +189,17 @@ class Llama(LanguageModel):
             json.dump(config, f, indent=1, sort_keys=True)
         return out
 
+    def adapter_tensor(self, name: str, tensor: torch.Tensor,
+                       model: Mapping) -> tuple[str, torch.Tensor]:
+        """Under transformers' name of the layer; lora_B's output rows of wq and wk reordered
+        as `export` reorders those weights' rows (lora_A's input columns need nothing)."""
+        layer, _, part = name.rpartition(".lora_")
+        hf_layer = self._hf_name(layer + ".weight").removesuffix(".weight")
+        if part.startswith("B") and any((layer + ".weight").endswith("." + rows)
+                                        for rows in self.rotary_rows):
+            tensor = _halves(tensor, self.hf_config(model)["head_dim"])
+        return f"{hf_layer}.lora_{part}", tensor
+
     def _hf_name(self, name: str) -> str:
         top = {"tok_embeddings.weight": "model.embed_tokens.weight",
                "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}

@@ -1,0 +1,109 @@
+"""Whole-step time (checkpointing/planner/step_time.py): attention counted causally, the FLOPs of
+a step against those a real CPU forward and backward runs, the arithmetic of recompute, tiles and
+all-to-all, and the report's lines and keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from checkpointing.planner.metatrace import _FLASH_CPU, _attention_flops
+from checkpointing.planner.step_time import step_lines, step_time
+from tests.helpers import subprocess_env
+from tests.test_report import TINY
+from trainer.cli import check
+from trainer.preflight.auto_plan import rest_flops
+from trainer.preflight.scenario import Evaluator, Scenario
+from trainer.preflight.step_report import outcome_step_time
+from trainer.task import task_for
+
+# fp32 and no dropout: the CPU runs the flash kernel the meta trace stands in for GPUs.
+BASE = [*TINY, "data.seq_len=256", "train.micro_batch_size=2", "checkpointing=none"]
+
+
+def _outcome(overrides: list[str], world: int = 1):
+    cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
+    return Evaluator(400).evaluate(Scenario(cfg, layout, world))
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+def test_attention_is_counted_causally_per_rank(degree) -> None:
+    extra = [f"sharding.sequence={degree}"] if degree > 1 else []
+    cfg, _ = check(BASE + extra, {"WORLD_SIZE": str(degree)})
+    m = cfg.model
+    block = _outcome(BASE + extra, world=degree).profile.blocks[0]
+    seq, batch, head_dim = cfg.data.seq_len, cfg.train.micro_batch_size, m.dim // m.n_heads
+    # Ulysses: each rank attends over the whole sequence with 1/N of the query heads.
+    pairs = seq * (seq + 1) // 2
+    assert block.attention_flops == 4 * batch * (m.n_heads // degree) * pairs * head_dim
+    assert 0 < block.attention_flops < block.forward_flops
+
+
+def test_a_query_tile_counts_its_causal_prefix() -> None:
+    # 64 queries at the end of 256 keys, causal from the bottom right: 256 - 63 .. 256 keys.
+    flops = _attention_flops((1, 2, 64, 16), (1, 2, 256, 16), (1, 2, 256, 16), 0.0, True)
+    assert flops == 4 * 2 * sum(range(256 - 63, 257)) * 16
+    assert _attention_flops((1, 2, 64, 16), (1, 2, 256, 16), (1, 2, 256, 16)) == 4 * 2 * 64 * 256 * 16
+
+
+def test_step_flops_are_what_a_real_cpu_forward_and_backward_runs() -> None:
+    """FlopCounterMode over a real step of the tiny Llama (no recompute): its matmuls forward and
+    backward and attention's forward (the CPU flash backward has no formula in torch: left out
+    of both sides) against step_time's forward + backward + head, less attention's backward."""
+    from trainer.build import build_on_meta  # noqa: F401 (the model's registry)
+    from trainer.models.families.llama import llama_args
+    from trainer.models.llama import build_llama
+
+    outcome = _outcome(BASE)
+    cfg = outcome.scenario.cfg
+    t = step_time(outcome.profile, outcome.plan, 1, rest_flops(cfg, outcome.profile), 400.0,
+                  512, 1)
+    torch.manual_seed(0)
+    model = build_llama(llama_args(cfg.model), device="cpu")
+    task = task_for(cfg.model, cfg.data, cfg.checkpointing)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1))
+    counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})
+    with counter:
+        task.loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+    measured = counter.get_total_flops()
+    predicted = t.forward_flops + t.backward_flops + t.rest_flops - 2.5 * t.attention_flops
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
+
+
+def test_recompute_tiles_and_all_to_all_add_to_the_step() -> None:
+    plain = _outcome(BASE)
+    full = _outcome([*BASE[:-1], "checkpointing=full", "checkpointing.tiles=4"])
+    rest = rest_flops(plain.scenario.cfg, plain.profile)
+    a, b = (step_time(o.profile, o.plan, 3, rest, 100.0, 512, 8) for o in (plain, full))
+    assert a.recompute_flops == 0 and a.tile_flops == 0
+    assert b.recompute_flops == b.forward_flops  # full: the forward once more
+    assert 0 < b.tile_flops < b.forward_flops
+    assert a.step_s == pytest.approx(a.total_flops / 100e12)
+    assert a.tokens_per_rank == 3 * 512
+    assert a.tokens_per_s_per_node == pytest.approx(8 * 3 * 512 / a.step_s)
+    seq = _outcome([*BASE, "sharding.sequence=2"], world=2)
+    s = step_time(seq.profile, seq.plan, 1, rest, 100.0, 256, 2, all_to_all_bytes_per_s=1e9)
+    sent = 2 * len(seq.plan) * seq.profile.sent_bytes_per_block  # forward and backward
+    assert s.all_to_all_bytes == sent > 0 and s.all_to_all_s == pytest.approx(sent / 1e9)
+    assert s.step_s == pytest.approx(s.compute_s + s.all_to_all_s)
+    text = "\n".join(step_lines(s))
+    assert "all-to-all" in text and "tokens per second" in text and "causal" in text
+
+
+def test_report_prints_and_writes_the_step_time(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-m", "trainer.report", *BASE, "--world-size", "2",
+                             "--tflops", "50", "--out", str(tmp_path)], cwd=tmp_path,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "memory_plan.json").read_text())
+    cfg, layout = check(BASE, {"WORLD_SIZE": "2"})
+    expected = outcome_step_time(Evaluator(50).evaluate(Scenario(cfg, layout, 2)), 50.0)
+    assert data["step_seconds"] == pytest.approx(expected.step_s)
+    assert data["tokens_per_s_per_node"] == pytest.approx(expected.tokens_per_s_per_node)
+    assert data["step_time"]["tflops"] == 50.0
+    assert f"at a nominal 50 TFLOP/s" in result.stdout and "per node of 2" in result.stdout

@@ -1,0 +1,24 @@
+"""The report's whole-step time of an outcome (checkpointing/planner/step_time.py's arithmetic),
+with the nominal rates the report states: --tflops, the all-to-all bandwidth of a sequence group
+inside a node or across nodes, PCIe for offload (trainer/preflight/scenario.py's figures)."""
+
+from __future__ import annotations
+
+from checkpointing.planner.step_time import StepTime, step_time
+from trainer.preflight.auto_plan import rest_flops
+from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, NOMINAL_SECONDS_PER_BYTE
+from trainer.task import task_for
+
+
+def outcome_step_time(outcome, tflops: float, device_type: str = "cuda") -> StepTime:
+    sc, profile = outcome.scenario, outcome.profile
+    cfg, degree = sc.cfg, sc.layout.degree
+    task = task_for(cfg.model, cfg.data, cfg.checkpointing)
+    tokens = task.tokens_per_sample * cfg.train.micro_batch_size // degree
+    inside = "node" if degree <= sc.gpus_per_node else "network"
+    moves = cfg.offload.target == "disk" or (cfg.offload.target == "cpu" and device_type == "cuda")
+    return step_time(profile, outcome.plan, sc.layout.grad_accum,
+                     rest_flops(cfg, profile, degree), tflops, tokens, sc.gpus_per_node,
+                     NOMINAL_ALL_TO_ALL_BYTES_PER_S[inside] if degree > 1 else None,
+                     NOMINAL_SECONDS_PER_BYTE.get(cfg.offload.target) if moves else None,
+                     cfg.offload.min_bytes if moves else None)
