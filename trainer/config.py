@@ -246,10 +246,8 @@ class ShardingConfig:
     # (sharding/sequence.py). 1: every rank holds whole samples; auto: the planner picks the
     # smallest degree that fits (with checkpointing=auto or train.micro_batch_size=auto).
     sequence: Any = 1
-    # Ring attention (context parallelism): this many sequence groups share each sample too,
-    # each holding a balanced early and late chunk of 2M; key/value blocks travel around the
-    # ring (sharding/ring.py). A sample is shared by sequence x context ranks, Ulysses inside
-    # (within a node), the ring outside. For samples past the head count or one node.
+    # Ring attention: M sequence groups share each sample too, K/V blocks going round (sharding/
+    # ring.py); sequence x context ranks per sample, Ulysses inside a node, the ring outside.
     context: int = 1
 
 

@@ -192,9 +192,7 @@ class MetaProfile:
     sent_bytes_per_block: int = 0
     attention_backend: Optional[str] = None  # the GPU kernel measured for (None: CPU's)
     attention_workspace_bytes: int = 0  # its backward workspace, the largest of one block
-    # Ring attention (sharding.context): bytes one rank sends its neighbour per block, in the
-    # forward (the K/V blocks) and the backward (the K/V blocks again and their fp32
-    # gradients), through the meta ring the caller wrapped attention with; 0 without.
+    # sharding.context: bytes sent to the ring's next rank per block, forward (K/V) and backward
     ring_sent_bytes_per_block: int = 0
     ring_backward_bytes_per_block: int = 0
 
