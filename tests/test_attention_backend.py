@@ -188,7 +188,7 @@ def test_a_backend_the_run_cannot_use_is_one_line_exit_2(argv: list[str], says: 
 
 def test_runnable_backends_pass() -> None:
     from trainer.config import Config, ModelConfig, ShardingConfig, TrainConfig
-    from trainer.models.attention_backend import check_attention, resolve
+    from trainer.models.families.attention_backend import check_attention, resolve
 
     for argv in (["model.attention=flash", "train.device=cpu"],
                  ["model.attention=math", "train.device=cpu"], ["model.attention=auto"]):
@@ -207,7 +207,7 @@ def test_explicit_backend_holds_cpu_attention_to_it() -> None:
     """model.attention=math runs the built-in Llama's attention under sdpa_kernel(MATH): the
     fused CPU kernel is never called, and the numbers agree with the unrestricted run."""
     from trainer.config import Config, ModelConfig, TrainConfig
-    from trainer.models.attention_backend import apply_attention
+    from trainer.models.families.attention_backend import apply_attention
 
     args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_hidden=64,
                      max_seq_len=16)

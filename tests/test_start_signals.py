@@ -61,18 +61,19 @@ def _blocked_on(lock: Path) -> set[int]:
     return waiting
 
 
-def _data(tmp_path: Path, template: str | None = None) -> tuple[list[str], Path]:
+def _data(tmp_path: Path, template: str | None = None,
+          num_proc: int = 1) -> tuple[list[str], Path]:
     """The run's data overrides, and the cache lock its preparer takes."""
     from trainer.data.documents import cache_key
     from trainer.data.sources import document_settings, load_tokenizer
 
     tokenizer = make_tokenizer(tmp_path / "tok", **({"template": template} if template else {}))
-    records = chat_records(40, seed=3)
+    records = chat_records(40 if num_proc == 1 else 600, seed=3)  # > 256: a batch a worker
     records[7]["messages"][-1]["content"] = "wait here"
     path = write_jsonl(tmp_path / "chat.jsonl", records)
     overrides = ["data=chat", f"data.path={path}", f"data.tokenizer={tokenizer}",
                  f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=320",
-                 "data.num_proc=1"]
+                 f"data.num_proc={num_proc}"]
     cfg = config(*QUICK, *overrides)
     key = cache_key(str(path), None, load_tokenizer(str(tokenizer), "chat"),
                     document_settings(cfg.data))
@@ -139,6 +140,23 @@ def test_a_stop_signal_while_tokenizing_leaves_no_temp_folder(tmp_path, sig) -> 
     run.send_signal(sig)
     status, lines = _ended(run)
     assert status == 75 and lines[-1].startswith(f"stopped by {sig.name} while tokenizing"), lines
+    _no_temp_folder(tmp_path)
+
+
+def test_sigusr1_while_the_map_workers_run_is_one_line_and_75(tmp_path) -> None:
+    """data.num_proc=2: SIGUSR1 to the trainer while `datasets`' workers tokenize. Before:
+    status 1 and a traceback (the pool's clean-up raised a TimeoutError over our stop)."""
+    overrides, _ = _data(tmp_path, STUCK, num_proc=2)
+    run = _start(tmp_path, overrides)
+    _until(lambda: _tokenizing(tmp_path) and len(_workers(run)) >= 2, run, "the map workers")
+    workers = _workers(run)
+    run.send_signal(signal.SIGUSR1)
+    status, lines = _ended(run)
+    assert status == 75 and lines[-1].startswith("stopped by SIGUSR1 while tokenizing"), lines
+    deadline = time.monotonic() + 10  # an orphaned worker is reaped by init, a moment later
+    while [pid for pid in workers if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], workers
     _no_temp_folder(tmp_path)
 
 

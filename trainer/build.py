@@ -38,8 +38,8 @@ from offload.engine import Offloader
 from sharding import fsdp
 from sharding.fsdp import DTYPES
 from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
-from trainer.models.attention_backend import apply_attention
-from trainer.models.attention_backend import resolve as resolve_attention
+from trainer.models.families.attention_backend import apply_attention
+from trainer.models.families.attention_backend import resolve as resolve_attention
 from trainer.models.families import family_of
 from trainer.models.families.lora import seed_name
 from trainer.task import task_for

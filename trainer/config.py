@@ -1,12 +1,7 @@
-"""Typed configuration schema and validation.
-
-The YAML files in conf/ supply values; these dataclasses, registered in Hydra's ConfigStore as
-`schema`, fix the set of keys and their types, so Hydra rejects unknown keys and wrong types while
-composing. `validate` then checks what types cannot (ranges, choices, divisibility against the
-world size) and raises `ConfigError` naming the key to change (trainer/validate.py). Nothing here
-imports torch: a bad command line is refused in well under a second, before any process group
-exists.
-"""
+"""Typed configuration schema. conf/'s YAML supplies values; these dataclasses, registered in
+Hydra's ConfigStore as `schema`, fix the keys and their types; trainer/validate.py checks the
+rest and raises `ConfigError` naming the key. No torch here: a bad command line is refused in
+well under a second, before any process group exists."""
 
 from __future__ import annotations
 
@@ -83,8 +78,7 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 2
-    # Width of one attention head; null: dim / n_heads. Qwen3 sets it (Qwen3-32B: dim 5120,
-    # 64 heads of 128, so its query projection is 8192 wide).
+    # Width of one head; null: dim / n_heads (Qwen3-32B: dim 5120, 64 heads of 128).
     head_dim: Optional[int] = None
     vocab_size: int = 256
     ffn_hidden: int = 384
@@ -101,8 +95,8 @@ class ModelConfig:
     path: Optional[str] = None
     hf_config: Optional[Any] = None
     attn_implementation: str = "sdpa"
-    # The attention kernel (trainer/models/attention_backend.py): auto (torch's choice, predicted
-    # and counted by the planner), flash, cudnn, efficient or math (every unmasked call held to it).
+    # The attention kernel (trainer/models/families/attention_backend.py): auto (torch's choice,
+    # predicted and counted by the planner), flash, cudnn, efficient or math.
     attention: str = "auto"
     # Parameters to freeze (not trained, no optimizer state): globs over parameter names as the
     # model names them, e.g. ["hf.model.embed_tokens.*", "hf.model.layers.[0-5].*"].

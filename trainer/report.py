@@ -210,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     out = output_dir(args, cfg)
     os.makedirs(out, exist_ok=True)
     data = plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, advice,
-                     judged.keys)
+                     {**judged.keys, **attention_keys(outcome, evaluator)})
     with open(os.path.join(out, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot_plan(outcome, os.path.join(out, "memory_plan.png"), capacity)
@@ -221,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, advice,
               verdict_keys: dict) -> dict:
-    """memory_plan.json's contents."""
+    """memory_plan.json's contents (verdict_keys: the verdicts' and the attention kernel's)."""
     from trainer.preflight.auto_plan import auto_rows
 
     peak = outcome.estimate.peak.total
@@ -231,7 +231,7 @@ def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, a
                 "tried": [{"seq_len": n, "fits": f} for n, f in tried]},
             **verdict_keys,
             "verdict": verdict(peak, capacity), "tflops": args.tflops, "head_rows": head_note,
-            **summary(outcome), **attention_keys(outcome, evaluator),
+            **summary(outcome),
             "blocks": block_rows(outcome),
             "suggestions": [{"change": s.change, "fits": s.fits, **summary(s.outcome)}
                             for s in advice],
@@ -244,7 +244,7 @@ def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, a
 def attention_keys(outcome, evaluator) -> dict:
     """memory_plan.json's attention_backend (the kernel counted) and attention_workspace_bytes
     (its backward workspace at one block's attention, already inside the peak)."""
-    from trainer.models.attention_backend import resolve
+    from trainer.models.families.attention_backend import resolve
 
     return {"attention_backend": resolve(outcome.scenario.cfg, evaluator.device_type)[0],
             "attention_workspace_bytes": outcome.profile.attention_workspace_bytes}
@@ -252,7 +252,7 @@ def attention_keys(outcome, evaluator) -> dict:
 
 def attention_line(outcome, evaluator) -> str:
     """'attention: <backend> (<why>); backward workspace ... per block, counted in the peak'."""
-    from trainer.models.attention_backend import resolve
+    from trainer.models.families.attention_backend import resolve
 
     backend, why = resolve(outcome.scenario.cfg, evaluator.device_type)
     workspace = outcome.profile.attention_workspace_bytes

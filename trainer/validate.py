@@ -10,7 +10,7 @@ from trainer.config import (CHOICES, DTYPES, SIGNALS, CheckpointingConfig, Confi
                             ModelConfig, TrainConfig, check_writable, require)
 from trainer.data.base import ModelFacts
 from trainer.data.factory import source_of
-from trainer.models.attention_backend import check_attention
+from trainer.models.families.attention_backend import check_attention
 from trainer.models.families import family_of
 from sharding.layout import Layout, LayoutError, make_layout
 

@@ -46,3 +46,16 @@ def lower_right_on_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return FLASH_CPU(q, k, v, 0.0, True)[0]
     mask = cpu_mask(q.shape[-2], k.shape[-2], q)  # the CPU's: reversed rows, one row of mask
     return FLASH_CPU(q.flip(-2), k, v, 0.0, False, attn_mask=mask)[0].flip(-2)
+
+
+def attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """The two attention matmuls (scores, then probabilities x values) over the (query, key)
+    pairs a kernel computes: all of them, or with is_causal the causal ones, aligned to the
+    bottom right as flash kernels do (query i of q_len sees k_len - q_len + i + 1 keys: half the
+    square for whole attention, a query tile's prefix for tiles). The CUDA kernels skip the
+    masked blocks, so counting them (as FlopCounterMode's own formula does) doubles attention."""
+    batch, heads, q_len, head_dim = query_shape
+    k_len, v_dim = key_shape[-2], value_shape[-1]
+    causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
+    pairs = q_len * k_len - (q_len * (q_len - 1) // 2 if causal and q_len <= k_len else 0)
+    return 2 * batch * heads * pairs * head_dim + 2 * batch * heads * pairs * v_dim

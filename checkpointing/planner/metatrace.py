@@ -34,8 +34,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.head import SeeInsideHead
-from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
 from checkpointing.planner.attention_workspace import workspace_rule
+from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
+from checkpointing.planner.meta_attention import attention_flops as _attention_flops
 from checkpointing.planner.meta_attention import fused_on_meta, lower_right_on_meta
 from checkpointing.query_tiles import lower_right_attention
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
@@ -59,10 +60,10 @@ class FusedAttentionOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and not self.math:
-            fused = fused_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
-            if fused is not None:
-                return fused
+        fused = (fused_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
+                 if func is F.scaled_dot_product_attention and not self.math else None)
+        if fused is not None:
+            return fused
         if func is lower_right_attention and args[0].device.type == "meta":
             return lower_right_on_meta(*args, like_cpu=self.like_cpu, **kwargs)
         return func(*args, **kwargs)
@@ -70,29 +71,13 @@ class FusedAttentionOnMeta(TorchFunctionMode):
 
 def fused_forward(forward: Callable, like_cpu: bool = False,
                   attention: Optional[str] = None) -> Callable:
-    """`forward` under FusedAttentionOnMeta wherever it runs, recompute in backward included.
-
-    A mode entered around `backward()` would not do: the mode is off while it handles the
-    `backward` call itself, so the recompute inside would take the math path.
-    """
+    """`forward` under FusedAttentionOnMeta wherever it runs, recompute in backward included (a
+    mode entered around `backward()` is off while it handles that call: math path inside)."""
     @functools.wraps(forward)
     def run(*args, **kwargs):
         with FusedAttentionOnMeta(like_cpu, attention):
             return forward(*args, **kwargs)
     return run
-
-
-def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """The two attention matmuls (scores, then probabilities x values) over the (query, key)
-    pairs a kernel computes: all of them, or with is_causal the causal ones, aligned to the
-    bottom right as flash kernels do (query i of q_len sees k_len - q_len + i + 1 keys: half the
-    square for whole attention, a query tile's prefix for tiles). The CUDA kernels skip the
-    masked blocks, so counting them (as FlopCounterMode's own formula does) doubles attention."""
-    batch, heads, q_len, head_dim = query_shape
-    k_len, v_dim = key_shape[-2], value_shape[-1]
-    causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
-    pairs = q_len * k_len - (q_len * (q_len - 1) // 2 if causal and q_len <= k_len else 0)
-    return 2 * batch * heads * pairs * head_dim + 2 * batch * heads * pairs * v_dim
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -108,10 +93,8 @@ class _LiveBytes(TorchDispatchMode):
 
     def __init__(self, workspace: Optional[Callable[[Any, tuple], int]] = None) -> None:
         super().__init__()
-        self.workspace = workspace
-        self.workspace_peak = 0
-        self.current = 0
-        self.peak = 0
+        self.workspace, self.workspace_peak = workspace, 0
+        self.current = self.peak = 0
         self._sizes: dict[int, int] = {}
         self._restart = False
 
@@ -215,9 +198,7 @@ def _clear_grads(module: nn.Module) -> None:
 
 
 class _Arriving(torch.autograd.Function):
-    """The gradient arriving from the next block, made inside the measurement's backward and
-    owned by autograd alone, so it dies when the block has used it (after its residual sum), as
-    in a real backward; one held by the caller would count to the block's end."""
+    """The next block's gradient, made in backward and owned by autograd: it dies once used."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -226,8 +207,7 @@ class _Arriving(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        shape, dtype, device = ctx.like
-        return torch.ones(shape, dtype=dtype, device=device)
+        return torch.ones(ctx.like[0], dtype=ctx.like[1], device=ctx.like[2])
 
 
 def _backward_from(out: Any) -> None:
@@ -244,8 +224,8 @@ def _distinct_bytes(tree: Any) -> int:
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequence,
                   save_op_names: Sequence[str], like_cpu: bool = False,
                   attention: Optional[str] = None) -> BlockMeasure:
-    """Saved and peak bytes per option, and FLOPs, of one block on meta; `attention`: the CUDA
-    backend whose backward workspace counts (attention_workspace.py; None counts none)."""
+    """Saved and peak bytes per option, and FLOPs, of one block on meta (`attention`: the CUDA
+    backend whose backward workspace counts, attention_workspace.py)."""
     args, kwargs = tree_map(_detached, (args, kwargs))
     input_bytes = _distinct_bytes((args, kwargs))
     saved, peak, sizes = {}, {}, {}

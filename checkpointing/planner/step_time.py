@@ -4,7 +4,7 @@ Pure arithmetic over the meta profile (checkpointing/planner/metatrace.py), per 
 summed over the step's micro-batches:
 
   forward      every block's forward FLOPs; attention counted causally (each query attends to
-               the keys before it: half the T x T matmuls, metatrace._attention_flops)
+               the keys before it: half the T x T matmuls, meta_attention.attention_flops)
   backward     2 x the forward of the matmuls, 2.5 x the forward of attention (the flash
                backward's five T x T matmuls against the forward's two)
   recompute    the forward FLOPs each block's recompute option runs again in backward

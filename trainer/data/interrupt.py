@@ -6,14 +6,22 @@ the default `save.signal`, which Slurm sends before the time limit; SIGUSR2, SIG
 status 130; the writer's `finally` removes its temporary folder on the way out, so the cache
 holds only whole folders. Before and after that block the entry point's own handlers stop the
 process at once with a line (trainer/__main__.py): nothing is being written then.
+
+With data.num_proc > 1, `datasets` forks workers (and a manager process) inside the block. They
+leave stopping to this process, which ends the pool on its way out: forked there, they ignore
+the stop signals a whole process group receives (Ctrl-C, Slurm's) and die by SIGTERM, which is
+how the pool ends them. Stopping while the pool works, `datasets`' own clean-up raises (a
+TimeoutError waiting for results that will not come) over our stop: the stop is found in the
+exception's context, so it is still the line and the status.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped, run it again (the preemption status)
 INTERRUPTED_EXIT = 130  # Ctrl-C
@@ -40,6 +48,37 @@ class _Stopped(BaseException):
         self.number = number
 
 
+_preparing = False  # inside stop_signals' block: a process forked now is a worker of ours
+
+
+def _quiet_worker() -> None:
+    """In a process forked inside the block: stopping is the parent's to do."""
+    if not _preparing:
+        return
+    try:
+        for number in STOPS:
+            signal.signal(number, signal.SIG_DFL if number == signal.SIGTERM else signal.SIG_IGN)
+    except ValueError:  # not this interpreter's main thread: leave it as it is
+        pass
+
+
+os.register_at_fork(after_in_child=_quiet_worker)
+
+
+def _stop_in(exc: Optional[BaseException]) -> Optional[int]:
+    """The stop signal behind `exc`: raised by our handler, or in the context of an exception
+    a library's clean-up raised on the way out; None for any other exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, _Stopped):
+            return exc.number
+        if isinstance(exc, KeyboardInterrupt):
+            return signal.SIGINT
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 @contextlib.contextmanager
 def stop_signals(path: str) -> Iterator[None]:
     """SIGTERM, Ctrl-C and the other STOPS inside the block end it with PrepareStopped naming
@@ -53,15 +92,20 @@ def stop_signals(path: str) -> Iterator[None]:
     previous = {n: signal.signal(n, stopped) for n in numbers} if main else {}
     tail = (f"while tokenizing {path}: nothing was cached (the partial folder is removed); "
             "start the same run again to tokenize it")
+    global _preparing
+    was, _preparing = _preparing, True
     try:
         yield
-    except (_Stopped, KeyboardInterrupt) as exc:
-        number = getattr(exc, "number", signal.SIGINT)
+    except BaseException as exc:
+        number = _stop_in(exc)
+        if number is None:
+            raise
         if number != signal.SIGINT:
             raise PrepareStopped(f"stopped by {signal.Signals(number).name} {tail}",
                                  STOPPED_EXIT) from None
         raise PrepareStopped(f"interrupted {tail}", INTERRUPTED_EXIT) from None
     finally:
+        _preparing = was
         for number, handler in previous.items():
             # None: a handler set outside Python, which Python cannot put back; ours (the
             # entry point's) is what was there when this process is the trainer.

@@ -168,9 +168,7 @@ def rest_flops(cfg: Config, profile, degree: int = 1) -> float:
     model = build_on_meta(cfg.model)
     head = set(profile.head.grad_param_names)
     matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
-    tokens = task.tokens_per_sample if task.kind == "lm" else 1
-    if task.gather_rows:  # the output layer runs on the supervised rows only
-        tokens *= task.meta_fraction
+    tokens = task.head_rows_per_sample
     # A rank of a sequence group computes 1/N of each sample (its tokens), and 1/M more of it
     # in a ring of M (sharding.context).
     return 6.0 * matmul * tokens / (degree * cfg.sharding.context) * cfg.train.micro_batch_size

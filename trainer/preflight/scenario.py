@@ -26,7 +26,7 @@ from sharding.ring import MetaRingExchange
 from sharding.sequence import MetaExchange
 from trainer.build import build_run_model, find_model_blocks, lora_base_dtype
 from trainer.config import Config, tile_count
-from trainer.models.attention_backend import resolve as resolve_attention
+from trainer.models.families.attention_backend import resolve as resolve_attention
 from trainer.models.families import family_of
 from sharding.layout import Layout
 from trainer.validate import validate

@@ -60,6 +60,13 @@ class Task:
     gather_rows: bool = False
     meta_fraction: float = 1.0
 
+    @property
+    def head_rows_per_sample(self) -> float:
+        """Rows the output layer computes per sample: each token of a language model (its
+        supervised share where the head runs on those rows only), one per image."""
+        rows = self.tokens_per_sample if self.kind == "lm" else 1
+        return rows * self.meta_fraction if self.gather_rows else rows
+
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
              positions: torch.Tensor | None = None) -> torch.Tensor:
         rows = self._rows(targets)
