@@ -7,8 +7,14 @@ the device mesh (sharding/fsdp.py, sharding/sequence.py), each rank's share of t
 (trainer/data/batches.py), the memory model's setup and the report. Nothing re-derives it.
 
     world_size   = replicate x shard            (fsdp: 1 replica; none: nothing sharded)
-    ranks        = data groups x sequence       (adjacent ranks share each sample)
+    ranks        = data groups x context x sequence   (adjacent ranks share each sample)
     global batch = micro_batch x grad_accum x data groups   (each sample counted once)
+
+A sample is shared by sequence x context ranks (`share`): Ulysses' N (sharding.sequence,
+sharding/sequence.py) innermost, so its all-to-all stays among neighbouring ranks (one node),
+and the ring's M (sharding.context, sharding/ring.py) outside it. Rank r holds context chunk
+(r // N) % M of each sample (its balanced pair of 2M chunks) and, within that, the contiguous
+slice r % N.
 
 `sequence` and `micro_batch` may be "auto" until `auto` decides them; `grad_accum` then counts
 them as 1, and asking where a rank reads (`data_size`, `data_rank`, ...) is refused, so no part
@@ -53,6 +59,7 @@ class Layout:
     micro_batch: Count  # samples per micro-batch of a sequence group (train.micro_batch_size)
     grad_accum: int  # micro-batches per optimizer step (an `auto` part counted as 1)
     global_batch: Optional[int] = None  # train.global_batch_size as set (None: grad_accum's)
+    context: int = 1  # ring ranks (sharding.context) x the sequence group share each sample
 
     @property
     def shard(self) -> int:
@@ -81,17 +88,34 @@ class Layout:
         return 1 if self.sequence == AUTO else int(self.sequence)
 
     @property
+    def least_share(self) -> int:
+        """Ranks sharing each sample, counting an undecided sequence degree as 1."""
+        return self.least_degree * self.context
+
+    @property
+    def share(self) -> int:
+        """Ranks sharing each sample: sequence x context (refused while sequence is auto)."""
+        return self.degree * self.context
+
+    @property
     def data_size(self) -> int:
-        """How many shares of each global batch the ranks read: one per sequence group."""
-        return self.world_size // self.degree
+        """How many shares of each global batch the ranks read: one per group sharing a
+        sample (sequence x context ranks)."""
+        return self.world_size // self.share
 
     def data_rank(self, rank: int) -> int:
-        """Which share of each global batch `rank`'s sequence group reads."""
-        return rank // self.degree
+        """Which share of each global batch `rank`'s sample group reads."""
+        return rank // self.share
 
     def sequence_rank(self, rank: int) -> int:
-        """`rank`'s place in its sequence group: which contiguous slice of each sample it holds."""
+        """`rank`'s place in its sequence (Ulysses) group: which contiguous slice of its
+        context chunk of each sample it holds (of the sample itself when context is 1)."""
         return rank % self.degree
+
+    def context_rank(self, rank: int) -> int:
+        """`rank`'s place in its ring: which balanced pair of the sample's 2 x context chunks
+        its sequence group holds."""
+        return (rank // self.degree) % self.context
 
     @property
     def micro_batch_size(self) -> int:
@@ -107,18 +131,23 @@ class Layout:
 
     def readers(self) -> str:
         """Who reads each global batch: the ranks, or their sequence groups."""
-        if self.degree == 1:
+        if self.share == 1:
             return f"ranks {self.world_size}"
-        return (f"sequence groups {self.data_size} of {self.degree} ranks, each rank "
-                f"1/{self.degree} of every sample's tokens")
+        ranks = (f"{self.degree} ranks" if self.context == 1 else
+                 f"{self.share} ranks (sequence {self.degree} x context {self.context})")
+        return (f"sequence groups {self.data_size} of {ranks}, each rank "
+                f"1/{self.share} of every sample's tokens")
 
-    def decided(self, sequence: int, micro_batch: int) -> "Layout":
-        """The layout once `auto` has chosen the degree and the micro-batch: made anew, as
-        validation makes one, so the gradient accumulation follows them."""
+    def decided(self, sequence: int, micro_batch: int,
+                context: Optional[int] = None) -> "Layout":
+        """The layout once `auto` has chosen the degree (and the ring: `context`, None: as it
+        is) and the micro-batch: made anew, as validation makes one, so the gradient
+        accumulation follows them."""
         replicate = self.replicate if self.mode == "hsdp" else None
         return make_layout(self.mode, self.world_size, replicate, sequence, micro_batch,
                            1 if self.global_batch is not None else self.grad_accum,
-                           self.global_batch)
+                           self.global_batch,
+                           context=self.context if context is None else context)
 
     def per_rank_samples(self) -> int:
         """The global batch's samples each sequence group reads per step, at the degree
@@ -131,11 +160,13 @@ class Layout:
 
 def make_layout(mode: str, world_size: int, replicate: Optional[int], sequence, micro_batch,
                 grad_accum: int, global_batch: Optional[int], num_nodes: int = 1,
-                check_degree: Optional[Callable[[int], None]] = None) -> Layout:
+                check_degree: Optional[Callable[[int], None]] = None, context=1,
+                check_context: Optional[Callable[[int], None]] = None) -> Layout:
     """The layout of these settings on `world_size` ranks, or the LayoutError naming the
     setting that does not split it. replicate None: one replica per node (hsdp).
-    check_degree: the model's own check of a degree > 1 (its heads), run before the world's
-    (so a degree no world could take is refused for the model's reason)."""
+    check_degree / check_context: the model's own check of a sequence degree > 1 (its heads)
+    or a context degree > 1 (its attention), run before the world's (so a degree no world
+    could take is refused for the model's reason)."""
     if mode != "hsdp":
         if replicate is not None:
             raise LayoutError("sharding.replicate", f"only applies to sharding=hsdp (now "
@@ -161,12 +192,37 @@ def make_layout(mode: str, world_size: int, replicate: Optional[int], sequence, 
             check_mesh_sizes(mode, world_size, replicate, sequence)
         except ValueError as exc:
             raise LayoutError("sharding.sequence", str(exc)) from None
-    grad_accum = _grad_accum(world_size, sequence, micro_batch, grad_accum, global_batch)
-    return Layout(world_size, mode, replicate, sequence, micro_batch, grad_accum, global_batch)
+    _check_context(mode, world_size, replicate, sequence, context, check_context)
+    grad_accum = _grad_accum(world_size, sequence, micro_batch, grad_accum, global_batch,
+                             context)
+    return Layout(world_size, mode, replicate, sequence, micro_batch, grad_accum, global_batch,
+                  context)
+
+
+def _check_context(mode: str, world_size: int, replicate: int, sequence: Count, context,
+                   check_context: Optional[Callable[[int], None]]) -> None:
+    """sharding.context: a whole number of rings of `context` sequence groups per replica."""
+    if not _is_count(context):
+        raise LayoutError("sharding.context", f"must be a positive integer, got {context!r}")
+    if context == 1:
+        return
+    if mode == "none":
+        raise LayoutError("sharding.context", f"{context} needs sharding=fsdp or hsdp (the "
+                          "ring's ranks shard the parameters with FSDP), now sharding=none")
+    if check_context is not None:
+        check_context(context)
+    share = context * (1 if sequence == AUTO else sequence)
+    try:
+        check_mesh_sizes(mode, world_size, replicate, share)
+    except ValueError:
+        where = "ranks per replica" if mode == "hsdp" else "world size"
+        shard = world_size // replicate if mode == "hsdp" else world_size
+        raise LayoutError("sharding.context", f"sharding.sequence x sharding.context = "
+                          f"{share} must divide the {where} {shard}") from None
 
 
 def _grad_accum(world_size: int, sequence: Count, micro_batch: Count, grad_accum: int,
-                global_batch: Optional[int]) -> int:
+                global_batch: Optional[int], context: int = 1) -> int:
     """train.grad_accum, or what makes train.global_batch_size: an `auto` part counts as 1
     (until `auto` chooses it, and makes the layout again)."""
     if global_batch is None:
@@ -177,12 +233,13 @@ def _grad_accum(world_size: int, sequence: Count, micro_batch: Count, grad_accum
     if grad_accum != 1:
         raise LayoutError("train.grad_accum", "set either train.grad_accum or "
                           "train.global_batch_size, not both")
-    degree = 1 if sequence == AUTO else sequence
+    degree = (1 if sequence == AUTO else sequence) * context
     micro = 1 if micro_batch == AUTO else micro_batch
     data_size = max(1, world_size // degree)
     per_accum = micro * data_size
     if global_batch % per_accum:
-        what = "world size" if degree == 1 else f"(world size / sharding.sequence={degree})"
+        what = ("world size" if degree == 1 else f"(world size / sharding.sequence={degree})"
+                if context == 1 else f"(world size / sequence x context={degree})")
         raise LayoutError("train.global_batch_size", f"{global_batch} is not divisible by "
                           f"train.micro_batch_size x {what} = {micro_batch} x {data_size}")
     return global_batch // per_accum
@@ -202,15 +259,18 @@ def check_mesh_sizes(mode: str, world_size: int, replicate: int, degree: int) ->
 
 def auto_degrees(layout: Layout, seq_len: int) -> list[int]:
     """The degrees `auto` tries, smallest first: the divisors of the world that divide the
-    sequence too (the mesh sizes and the heads are checked for each when it is tried)."""
+    sequence too (the mesh sizes and the heads are checked for each when it is tried); with
+    a ring of M, N x M divides the world and 2 x N x M the sequence (the balanced chunks)."""
     if layout.sequence != AUTO:
         return [layout.degree]
-    world = layout.world_size
-    return [d for d in range(1, world + 1) if world % d == 0 and seq_len % d == 0]
+    world, m = layout.world_size, layout.context
+    chunks = 2 * m if m > 1 else 1
+    return [d for d in range(1, world + 1)
+            if world % (d * m) == 0 and seq_len % (d * chunks) == 0]
 
 
 def mesh_layout(mode: str, world_size: int, replicate: Optional[int] = None,
-                sequence: int = 1) -> Layout:
+                sequence: int = 1, context: int = 1) -> Layout:
     """The layout of a mesh alone (one sample per micro-batch, no accumulation): for tools
     and tests that shard a model without a run's batch settings."""
-    return make_layout(mode, world_size, replicate, sequence, 1, 1, None)
+    return make_layout(mode, world_size, replicate, sequence, 1, 1, None, context=context)

@@ -65,6 +65,36 @@ def balanced_positions(length: int, rank: int, size: int,
     return balanced_slice(torch.arange(length, device=device)[None], rank, size)[0]
 
 
+def sample_slice(x: torch.Tensor, context_rank: int, context: int, sequence_rank: int,
+                 sequence: int, dim: int = 1) -> torch.Tensor:
+    """What a rank holds of a whole-sample tensor (tokens, targets, positions) when sequence x
+    context ranks share the sample (sharding/layout.py): its ring place's balanced pair of
+    chunks, and within that its Ulysses slice (contiguous: the all-to-all rebuilds the pair)."""
+    from sharding.sequence import sequence_slice
+
+    if context > 1:
+        x = balanced_slice(x, context_rank, context, dim)
+    return sequence_slice(x, sequence_rank, sequence, dim)
+
+
+def sample_positions(length: int, context_rank: int, context: int, sequence_rank: int,
+                     sequence: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The global positions [length / (sequence x context)] of the tokens a rank holds."""
+    whole = torch.arange(length, device=device)[None]
+    return sample_slice(whole, context_rank, context, sequence_rank, sequence)[0]
+
+
+def gather_ring(x: torch.Tensor, group: Optional[dist.ProcessGroup],
+                dim: int = 1) -> torch.Tensor:
+    """The whole sample, in position order, from each ring rank's balanced slice of it (for
+    metadata: positions, document ids; no gradient). group None: `x` itself."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return balanced_unslice(parts, dim=dim)
+
+
 # --- the kernels ------------------------------------------------------------------------
 
 class CpuFlash:
@@ -108,7 +138,9 @@ class CudaEfficient:
 
 
 def kernel_for(device: torch.device):
-    return CudaEfficient if device.type == "cuda" else CpuFlash
+    """CUDA's kernel on CUDA, and on meta (the memory model's trace, which predicts a GPU run:
+    its shapes, and FLOPs torch's counter knows, which it does not for the CPU kernel)."""
+    return CudaEfficient if device.type in ("cuda", "meta") else CpuFlash
 
 
 # --- one step's shape -------------------------------------------------------------------
@@ -172,6 +204,27 @@ class RingExchange:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return parts
+
+
+class MetaRingExchange:
+    """One rank's view of a ring of `size` on the meta device, without a process group: what
+    arrives is an allocation of the sent shape, so the memory model's trace runs the ring's
+    own code and sees its buffers byte for byte (the key/value block in flight beside the one
+    attended: double-buffered; the travelling dK/dV in backward). Counts the bytes this rank
+    sends to its neighbour (`sent_bytes`; forward K/V, backward K/V and their gradients)."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        if size < 2:
+            raise ValueError(f"a meta ring needs >= 2 ranks, got {size}")
+        self.size, self.rank, self.sent_bytes = size, rank, 0
+
+    def start(self, send: torch.Tensor):
+        self.sent_bytes += send.nbytes
+        received = torch.empty_like(send)
+        return lambda: received
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.empty_like(x) for _ in range(self.size)]
 
 
 # --- attention over one block, and the merge --------------------------------------------
@@ -239,7 +292,7 @@ def _unpack(buffer: torch.Tensor, *like: torch.Tensor) -> list[torch.Tensor]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, exchange: RingExchange, layout: _Layout, scale: float):
+    def forward(ctx, q, k, v, exchange, layout: _Layout, scale: float):
         kernel = kernel_for(q.device)
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
@@ -314,8 +367,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     q [B, H, T/M, D], k and v [B, KV heads, T/M, D]: this rank's tokens (`balanced_slice`) of a
     ring of M = the group's size; returns its tokens' output [B, H, T/M, D]. `documents`
     [B, T/M]: the tokens' document ids for packed rows (attention stays in a document; ids must
-    be the same across the ring for the same document)."""
-    exchange = RingExchange(group)
+    be the same across the ring for the same document). `group`: a process group, or an
+    exchange (RingExchange, or the meta trace's MetaRingExchange)."""
+    exchange = (group if isinstance(group, (RingExchange, MetaRingExchange))
+                else RingExchange(group))
     docs = exchange.gather(documents) if documents is not None else None
     if causal and q.shape[2] % 2:
         raise ValueError(f"a balanced ring slice holds two equal chunks; {q.shape[2]} tokens "

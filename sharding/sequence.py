@@ -225,31 +225,42 @@ def sequence_slice(x: torch.Tensor, rank: int, degree: int, dim: int = 1) -> tor
 
 @dataclass(frozen=True)
 class SequenceMesh:
-    """Where a rank stands when N ranks share each sample (the layout's sequence groups).
+    """Where a rank stands when N x M ranks share each sample (the layout's sample groups).
 
-    Ranks r*N .. r*N+N-1 form one sequence group and read sample share r (Layout.data_rank);
-    FSDP shards parameters over every rank of a replica, sequence ranks included, so `fsdp` is
-    sharding.fsdp.build_mesh's: 1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp.
+    Ranks r*NM .. r*NM+NM-1 share sample share r (Layout.data_rank): M rings places
+    (sharding.context) of N adjacent Ulysses ranks each; FSDP shards parameters over every rank
+    of a replica, sequence and ring ranks included, so `fsdp` is sharding.fsdp.build_mesh's:
+    1-D ("shard",) for fsdp, 2-D ("replicate", "shard") for hsdp.
     """
 
-    mesh: DeviceMesh            # ("data", "sequence") or ("replicate", "data", "sequence")
+    mesh: DeviceMesh            # ("data", ["context",] "sequence"), "replicate" first (hsdp)
     fsdp: DeviceMesh            # what fully_shard gets
-    group: dist.ProcessGroup    # this rank's sequence group
-    rank: int                   # this rank's place in its sequence group (its chunk)
+    group: dist.ProcessGroup    # this rank's sequence (Ulysses) group
+    rank: int                   # this rank's place in its sequence group (its slice)
+    context_group: Optional[dist.ProcessGroup] = None  # its ring (None: context 1)
+    context_rank: int = 0       # its place in the ring (its balanced pair of chunks)
 
 
 def build_sequence_mesh(layout: Layout, device_type: str) -> SequenceMesh:
-    """The mesh of sharding.fsdp.build_mesh, its "shard" axis split into ("data", "sequence")
-    with the sequence ranks adjacent (they talk every block: keep them on one node), as the
-    layout places them. Needs a process group."""
+    """The mesh of sharding.fsdp.build_mesh, its "shard" axis split into ("data", "context",
+    "sequence") with the sequence ranks adjacent (they talk every block: keep them on one
+    node) and the ring outside them, as the layout places them. Needs a process group."""
     fsdp = build_mesh(layout, device_type)
-    degree = layout.degree
-    mesh = fsdp._unflatten("shard", (layout.shard // degree, degree), ("data", "sequence"))
+    degree, context = layout.degree, layout.context
+    if context == 1:
+        mesh = fsdp._unflatten("shard", (layout.shard // degree, degree), ("data", "sequence"))
+    else:
+        mesh = fsdp._unflatten("shard", (layout.shard // (degree * context), context, degree),
+                               ("data", "context", "sequence"))
     group = mesh.get_group("sequence")
-    seq = SequenceMesh(mesh=mesh, fsdp=fsdp, group=group, rank=dist.get_rank(group))
-    # The Data gives rank r slice layout.sequence_rank(r) of its group's samples: the mesh
-    # must place it there.
-    if seq.rank != layout.sequence_rank(dist.get_rank()):
-        raise AssertionError(f"the sequence mesh puts rank {dist.get_rank()} at {seq.rank}, "
-                             f"the layout at {layout.sequence_rank(dist.get_rank())}")
+    ring = mesh.get_group("context") if context > 1 else None
+    seq = SequenceMesh(mesh=mesh, fsdp=fsdp, group=group, rank=dist.get_rank(group),
+                       context_group=ring,
+                       context_rank=dist.get_rank(ring) if ring is not None else 0)
+    # The Data gives rank r slice layout.sequence_rank(r) of its ring place
+    # layout.context_rank(r) of its group's samples: the mesh must place it there.
+    me = dist.get_rank()
+    if (seq.rank, seq.context_rank) != (layout.sequence_rank(me), layout.context_rank(me)):
+        raise AssertionError(f"the sequence mesh puts rank {me} at {seq.rank, seq.context_rank}"
+                             f", the layout at {layout.sequence_rank(me), layout.context_rank(me)}")
     return seq

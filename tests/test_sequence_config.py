@@ -41,8 +41,9 @@ HF = ("model.hf_config={model_type: llama, vocab_size: 256, hidden_size: 32, "
      "data.seq_len=63"),
     (["sharding.sequence=2", "model=vit_tiny"], 2, "sharding.sequence: model.arch=vit has no "
      "sequence parallelism"),
-    (["sharding.sequence=2", "model=hf", HF % 1], 2, r"sharding.sequence: 2 must divide the "
-     r"model's attention heads \(4\) and KV heads \(1\)"),
+    # KV heads it does not divide are repeated (issue 45); the query heads bound it
+    (["sharding.sequence=3", "model=hf", HF % 1], 3, r"sharding.sequence: sequence degree 3 "
+     r"must divide the attention heads 4.*\(the HF model's attention heads 4, KV heads 1\)"),
     (["sharding.sequence=2", "model=hf", HF % 2, "model.attn_implementation=flex_attention"], 2,
      "model.attn_implementation: 'flex_attention' cannot run sequence-parallel"),
     (["sharding.sequence=2", "train.global_batch_size=3", "train.micro_batch_size=1"], 4,
@@ -114,8 +115,8 @@ def test_the_meta_checks_name_the_key() -> None:
                "intermediate_size: 48, num_hidden_layers: 2}", "sharding.sequence=8",
                "data.seq_len=64")  # transformers' default: 32 heads, KV heads as many
     deep_check(m, mesh_layout("fsdp", 8, sequence=8))
-    with pytest.raises(ConfigError, match=r"^sharding.sequence: 3 must divide the model's "
-                                          r"attention heads \(32\)"):
+    with pytest.raises(ConfigError, match=r"^sharding.sequence: sequence degree 3 must "
+                                          r"divide the attention heads 32"):
         family_named("hf").check_sequence_parallel(m.model, 3)
 
 

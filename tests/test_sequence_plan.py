@@ -42,7 +42,7 @@ def test_auto_takes_the_fewest_tiles_that_fit_and_says_why_for_the_rest() -> Non
 
 def test_auto_sequence_degrees_divide_the_world_and_the_length() -> None:
     scenario = _scenario(TINY + ["sharding.sequence=auto"], world=4)
-    assert sequence_shapes(scenario.cfg, scenario.layout) == [(1, 1), (2, 1), (4, 1)]
+    assert sequence_shapes(scenario.cfg, scenario.layout) == [(1, 1, 1), (2, 1, 1), (4, 1, 1)]
 
 
 def test_a_sequence_degree_divides_activations_and_costs_all_to_all_time() -> None:

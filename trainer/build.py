@@ -333,11 +333,12 @@ def build_model(cfg: Config, denv: DistEnv, layout: Layout, meter: SavedBytesMet
     if cfg.sharding.cpu_offload and not cpu_offload and denv.is_main:
         log.warning("sharding.cpu_offload=true: the compute device is the CPU, so parameters, "
                     "gradients and optimizer state already live in CPU memory; nothing to move")
-    # The kernel choice is the innermost wrap of attention; Ulysses' all-to-alls go around it.
+    # The kernel choice is the innermost wrap of attention; Ulysses' all-to-alls go around it
+    # (under sharding.context the ring replaces the kernel: it runs its own, sharding/ring.py).
     apply_attention(cfg, model, denv.device, denv.is_main)
-    mesh, group = sharding_mesh(layout, denv)
-    if group is not None:  # the blocks' attention runs over the group's whole sequences
-        family_of(cfg.model).sequence_parallel(model, group)
+    mesh, group, ring = sharding_mesh(layout, denv)
+    if group is not None or ring is not None:  # attention runs over the whole samples
+        family_of(cfg.model).sequence_parallel(model, group, ring)
     if mesh is not None:
         fsdp.apply_fsdp(model, blocks, plan, mesh, fsdp.mixed_precision(
             cfg.sharding.param_dtype, cfg.sharding.reduce_dtype),
@@ -366,17 +367,19 @@ def run_tiles(plan: list[BlockPlan], c: CheckpointingConfig,
     return with_tiles(plan, c.tiles)
 
 
-def sharding_mesh(layout: Layout, denv: DistEnv
-                  ) -> tuple[Optional[object], Optional[dist.ProcessGroup]]:
-    """(the mesh fully_shard gets, the sequence group or None). With a sequence degree N > 1,
-    the mesh of sharding/sequence.py: FSDP still shards over every rank, sequence ranks
-    included, and adjacent ranks share each sample, as the layout says (the Data reads so)."""
-    if layout.degree == 1:
-        return fsdp.build_mesh(layout, denv.device.type), None
+def sharding_mesh(layout: Layout, denv: DistEnv) -> tuple[Optional[object],
+                                                          Optional[dist.ProcessGroup],
+                                                          Optional[dist.ProcessGroup]]:
+    """(the mesh fully_shard gets, the sequence group or None, the ring or None). With
+    sequence x context > 1, the mesh of sharding/sequence.py: FSDP still shards over every
+    rank, sequence and ring ranks included, and adjacent ranks share each sample, as the
+    layout says (the Data reads so)."""
+    if layout.share == 1:
+        return fsdp.build_mesh(layout, denv.device.type), None, None
     from sharding.sequence import build_sequence_mesh
 
     seq = build_sequence_mesh(layout, denv.device.type)
-    return seq.fsdp, seq.group
+    return seq.fsdp, seq.group if layout.degree > 1 else None, seq.context_group
 
 
 def forget_build_peak(device: torch.device, cuda=torch.cuda) -> None:

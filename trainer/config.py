@@ -235,11 +235,11 @@ class ShardingConfig:
     reduce_dtype: Optional[str] = None
     # Parameters, gradients and optimizer state live in CPU memory (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
-    # Ulysses sequence parallelism: groups of this many adjacent ranks share each sample, each
-    # holding 1/N of its tokens; attention trades tokens for heads around an all-to-all
-    # (sharding/sequence.py). 1: every rank holds whole samples; auto: the planner picks the
-    # smallest degree that fits (with checkpointing=auto or train.micro_batch_size=auto).
+    # Ulysses (sharding/sequence.py): N adjacent ranks share each sample, 1/N of its tokens each,
+    # attention trading tokens for heads; auto: the planner picks the smallest N that fits. The
+    # ring (sharding/ring.py): M such groups share it too, K/V blocks going round the ring.
     sequence: Any = 1
+    context: int = 1
 
 
 @dataclass

@@ -237,7 +237,7 @@ def plan_data(argv, args, outcome, decision, tried, capacity, host, head_note, a
                             for s in advice],
             "auto": None if decision is None else {
                 "micro_batch_size": decision.micro_batch, "grad_accum": decision.grad_accum,
-                "sequence": decision.sequence, "tiles": decision.tiles,
+                "sequence": decision.sequence, "context": decision.context, "tiles": decision.tiles,
                 "predicted_step_s": decision.step_s, "candidates": auto_rows(decision)}}
 
 
@@ -268,8 +268,9 @@ def longest_line(outcome, tried) -> str:
     sc = outcome.scenario
     seq_len, micro = sc.cfg.data.seq_len, sc.layout.micro_batch_size
     degree, tiles = sc.layout.degree, tile_count(sc.cfg.checkpointing)
-    per_rank = seq_len * micro // degree
-    return (f"longest: data.seq_len={seq_len} fits (sharding.sequence={degree}, "
+    per_rank = seq_len * micro // sc.layout.share
+    ring = f"sharding.context={sc.layout.context}, " if sc.layout.context > 1 else ""
+    return (f"longest: data.seq_len={seq_len} fits (sharding.sequence={degree}, {ring}"
             f"checkpointing.tiles={tiles}, micro-batch {micro}): {per_rank:,} tokens per rank, "
             f"{per_rank * sc.gpus_per_node:,} per node of {sc.gpus_per_node}; lengths tried: "
             + ", ".join(f"{n}{'' if f else ' (no)'}" for n, f in tried))

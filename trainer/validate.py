@@ -34,7 +34,7 @@ def validate(cfg: Config, world_size: int, num_nodes: int = 1) -> Layout:
     check_lora(cfg.model)
     layout = _layout(cfg, world_size, num_nodes)
     _check_sequence(cfg, layout)
-    _check_tiles(cfg, layout.least_degree)
+    _check_tiles(cfg, layout.least_degree, layout.context)
     return layout
 
 
@@ -45,7 +45,14 @@ def _is_count(value) -> bool:
 def _check_sequence(cfg: Config, layout: Layout) -> None:
     """sharding.sequence against data.seq_len (the layout has checked the sharding, the world
     and, through the family, the model's heads)."""
-    degree = layout.least_degree
+    degree, context = layout.least_degree, layout.context
+    if context > 1:
+        chunks = 2 * context * degree
+        require(cfg.data.seq_len % chunks == 0, "sharding.context",
+                f"2 x sharding.context x sharding.sequence = {chunks} must divide data.seq_len="
+                f"{cfg.data.seq_len}: each ring rank holds a balanced early and late chunk of "
+                f"2 x {context}, split over its sequence group")
+        return
     if degree == 1:
         return
     require(cfg.data.seq_len % degree == 0, "sharding.sequence",
@@ -53,7 +60,7 @@ def _check_sequence(cfg: Config, layout: Layout) -> None:
             "contiguous slice of every sample")
 
 
-def _check_tiles(cfg: Config, degree: int) -> None:
+def _check_tiles(cfg: Config, degree: int, context: int = 1) -> None:
     """checkpointing.tiles: a count (or auto), for a family whose blocks have a token-wise MLP,
     at most one tile per token a rank holds."""
     c = cfg.checkpointing
@@ -68,9 +75,11 @@ def _check_tiles(cfg: Config, degree: int) -> None:
     require(family.tileable, "checkpointing.tiles",
             f"model.arch={family.arch} has no token-wise MLP to tile (llama and hf have); "
             "set checkpointing.tiles=1")
-    tokens = cfg.data.seq_len // degree
+    tokens = cfg.data.seq_len // (degree * context)
     held = (f"data.seq_len={cfg.data.seq_len} / sharding.sequence={degree}" if degree > 1
             else f"data.seq_len={cfg.data.seq_len}")
+    if context > 1:
+        held += f" / sharding.context={context}"
     require(c.tiles <= tokens, "checkpointing.tiles",
             f"{c.tiles} tiles for the {tokens} tokens a rank holds ({held}): at most one "
             "tile per token")
@@ -262,6 +271,9 @@ def _layout(cfg: Config, world_size: int, num_nodes: int) -> Layout:
     try:
         return make_layout(s.mode, world_size, s.replicate, s.sequence, t.micro_batch_size,
                            t.grad_accum, t.global_batch_size, num_nodes,
-                           lambda degree: family_of(cfg.model).check_sequence(cfg.model, degree))
+                           lambda degree: family_of(cfg.model).check_sequence(cfg.model, degree),
+                           s.context,
+                           lambda context: family_of(cfg.model).check_context(
+                               cfg.model, context, cfg.train.compile))
     except LayoutError as exc:
         raise ConfigError(exc.key, exc.message) from None

@@ -175,6 +175,9 @@ class MetaProfile:
     sent_bytes_per_block: int = 0
     attention_backend: Optional[str] = None  # the GPU kernel measured for (None: CPU's)
     attention_workspace_bytes: int = 0  # its backward workspace, the largest of one block
+    # sharding.context: bytes sent to the ring's next rank per block, forward (K/V) and backward
+    ring_sent_bytes_per_block: int = 0
+    ring_backward_bytes_per_block: int = 0
 
     @property
     def before_blocks_bytes(self) -> int:

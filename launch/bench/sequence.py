@@ -2,7 +2,9 @@
 
 1. The trainer on P ranks (gloo) at one long sequence, sharding.sequence=P against 1 with the
    same global batch (the same samples): each rank's live tensor peak (logging.live_bytes_step,
-   step 2) and the median step time (steps 3 on; steps 1 and 2 are not timed).
+   step 2) and the median step time (steps 3 on; steps 1 and 2 are not timed). With
+   --context M, a third row: sharding.sequence=P/M x sharding.context=M (ring attention;
+   model.dropout=0 in every row then, as the ring has no attention dropout).
 2. One recomputed block of the same model alone (checkpointing=full's wrapper), its MLP in T
    tiles against whole: the peak live bytes of its forward and backward (the backward's, since
    a recomputed block keeps only its input) and the median time.
@@ -26,17 +28,24 @@ from launch.bench.policies import run_policy, torch_version
 MIB = 2.0 ** -20
 
 
-def trainer_rows(seq_len: int, nproc: int, steps: int, overrides: list[str]) -> dict[int, dict]:
-    """{degree: live peak per rank (bytes), median step seconds, global batch} for 1 and nproc."""
+def trainer_rows(seq_len: int, nproc: int, steps: int, overrides: list[str],
+                 context: int = 1) -> dict[str, dict]:
+    """{row: live peak per rank (bytes), median step seconds, last loss} for sequence 1 and
+    nproc, and sequence nproc/context x context when context > 1."""
     common = ["model=tiny", "data=synthetic", f"data.seq_len={seq_len}",
               f"model.max_seq_len={seq_len}", f"train.global_batch_size={nproc}",
               "train.micro_batch_size=1", "train.eval_batches=1", "save.every=0",
               "logging.live_bytes_step=2", *overrides]
+    if context > 1:
+        common.append("model.dropout=0")
+    shapes = [("1", ["sharding.sequence=1"]), (str(nproc), [f"sharding.sequence={nproc}"])]
+    if context > 1:
+        shapes.append((f"{nproc // context}xctx{context}",
+                       [f"sharding.sequence={nproc // context}", f"sharding.context={context}"]))
     rows = {}
-    for degree in (1, nproc):
+    for degree, shape in shapes:
         with tempfile.TemporaryDirectory() as out:
-            logged = run_policy("none", "none", [*common, f"sharding.sequence={degree}"], steps,
-                                nproc, out)
+            logged = run_policy("none", "none", [*common, *shape], steps, nproc, out)
         live = next(m["live_peak_bytes"] for m in logged if "live_peak_bytes" in m)
         times = [m["step_time_s"] for m in logged if "step_time_s" in m and m["step"] > 2]
         rows[degree] = {"live": live, "step": statistics.median(times),
@@ -88,13 +97,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tiles", default="1,4,16", help="comma-separated; the first is the base")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context", type=int, default=1,
+                        help="a ring of this many places in a third row (divides --nproc)")
     args, overrides = parser.parse_known_args(argv)
     if args.steps < 4:
         parser.error("--steps must be >= 4 (step 2 counts live bytes; steps 3 on are timed)")
     print(f"{datetime.date.today()}  torch {torch_version()}  tiny Llama, seq {args.seq_len}, "
           f"{args.nproc} ranks (gloo), global batch {args.nproc}, overrides {overrides or '-'}")
-    rows = trainer_rows(args.seq_len, args.nproc, args.steps, overrides)
-    base = rows[1]
+    if args.context < 1 or args.nproc % args.context:
+        parser.error(f"--context {args.context} must divide --nproc {args.nproc}")
+    rows = trainer_rows(args.seq_len, args.nproc, args.steps, overrides, args.context)
+    base = rows["1"]
     print(f"{'sharding.sequence':>17} {'live peak/rank MiB':>19} {'ratio':>6} {'step s':>7} "
           f"{'ratio':>6} {'last loss':>10}")
     for degree, row in rows.items():

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sharding.layout import Layout
-from sharding.sequence import sequence_slice
+from sharding.ring import sample_slice
 from trainer.config import ConfigError
 from trainer.data.prefetch import Prefetcher
 from trainer.data.tokens import step_counts, train_batch
@@ -53,9 +53,9 @@ class Sampling:
 
     @property
     def sequence(self) -> int:
-        """sharding.sequence: groups of this many adjacent ranks read the same samples, each
-        its contiguous slice of every sample's tokens."""
-        return self.layout.degree
+        """Ranks sharing each sample (sharding.sequence x sharding.context): these adjacent
+        ranks read the same samples, each its share of every sample's tokens."""
+        return self.layout.share
 
     @property
     def data_rank(self) -> int:
@@ -72,13 +72,16 @@ class Sampling:
         return self.layout.global_batch_size
 
     def sliced(self, batches: list[Batch]) -> list[Batch]:
-        """This rank's slice of each micro-batch (inputs, targets, and packed positions:
-        slice rank % N of N along the sequence), in host memory: only the slice travels to the
-        device. The model takes the slice's global positions (sharding.sequence's models)."""
+        """This rank's share of each micro-batch (inputs, targets, and packed positions): its
+        ring place's balanced pair of chunks (sharding.context), within that its contiguous
+        sequence slice (sharding.sequence; sharding/ring.py's sample_slice), in host memory:
+        only the share travels to the device. The model takes the share's global positions."""
         if self.sequence == 1:
             return batches
-        place = self.layout.sequence_rank(self.rank)
-        return [tuple(sequence_slice(t, place, self.sequence).contiguous() for t in batch)
+        layout = self.layout
+        place = (layout.context_rank(self.rank), layout.context,
+                 layout.sequence_rank(self.rank), layout.degree)
+        return [tuple(sample_slice(t, *place).contiguous() for t in batch)
                 for batch in batches]
 
 

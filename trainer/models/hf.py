@@ -109,6 +109,7 @@ class HFCausalLM(HFWrapper):
     # Sequence parallel (families/hf.py's sequence_parallel): the ranks sharing each sample and
     # the attention implementation the wrapped one stands for ("sdpa" or "eager").
     sequence_group = None
+    context_group = None  # the ring (sharding.context); None: none
     sequence_implementation = "sdpa"
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
@@ -125,7 +126,7 @@ class HFCausalLM(HFWrapper):
         loss of the head, plain or chunked, on those rows only."""
         # Without positions the call is exactly the unpacked one (HF makes its own arange).
         extra = {} if positions is None else {"position_ids": positions}
-        if self.sequence_group is not None:
+        if self.sequence_group is not None or self.context_group is not None:
             extra = self._sequence_parallel(tokens, positions)
         if targets is not None and (chunk_tokens is not None or rows is not None):
             if chunk_tokens is None and bent_logit_fields(self.hf.config):
@@ -153,8 +154,11 @@ class HFCausalLM(HFWrapper):
         attention takes instead of HF's slice-sized one (trainer/models/sequence_parallel.py).
         `positions`: the slice of the packed positions, or None (unpacked rows)."""
         from trainer.models.sequence_parallel import (SEQUENCE_MASK, global_positions,
-                                                      group_place, hf_whole_mask)
+                                                      group_place, hf_ring_kwargs,
+                                                      hf_whole_mask)
 
+        if self.context_group is not None:
+            return hf_ring_kwargs(tokens, positions, self.sequence_group, self.context_group)
         _, degree = group_place(self.sequence_group)
         dtype = self.hf.get_input_embeddings().weight.dtype
         mask = hf_whole_mask(positions, self.sequence_group, tokens.shape[1] * degree,
@@ -258,18 +262,29 @@ def ulysses_options(options: dict, q_heads: int, kv_heads: int, degree: int) -> 
     meta trace's: HF's slice-sized `attention_mask` gives way to the whole sequence's, which
     the wrapper's forward put in the SEQUENCE_MASK kwarg (absent, as in the meta trace, or
     None: causal over the whole sequence, SDPA's is_causal), and the slice's `position_ids` go
-    (meaningless after the all-to-all). HF repeats KV heads by the module's own group size
-    after the split, so they cannot be repeated before it: the degree must divide them."""
-    from sharding.degrees import kv_repeats
+    (meaningless after the all-to-all). KV heads the degree does not divide are repeated
+    before the split (sharding.sequence's kv_repeats, as for the built-in models); HF's
+    function then sees this rank's query heads per KV head (`_as_attend`)."""
     from trainer.models.sequence_parallel import SEQUENCE_MASK
 
-    if kv_repeats(q_heads, kv_heads, degree) > 1:
-        raise ValueError(f"sequence degree {degree} must divide the model's KV heads "
-                         f"{kv_heads} for an HF model")
     options = dict(options)
     options["attention_mask"] = options.pop(SEQUENCE_MASK, None)
     options.pop("position_ids", None)
     return options
+
+
+def ring_options(options: dict) -> tuple:
+    """(document ids, scale, dropout) of HF attention's keyword arguments for the ring
+    (trainer/models/sequence_parallel.py's ring_wrap): the ids the model's forward put in
+    RING_DOCUMENTS, HF's own `scaling` and `dropout`. HF's share-sized mask is not used.
+    What the ring cannot do (soft-capping, sliding windows) is refused."""
+    from trainer.models.sequence_parallel import RING_DOCUMENTS
+
+    for name in ("softcap", "sliding_window"):
+        if options.get(name) is not None:
+            raise ValueError(f"ring attention (sharding.context > 1) has no {name}; set "
+                             "sharding.context=1 for this model")
+    return options.get(RING_DOCUMENTS), options.get("scaling"), options.get("dropout", 0.0)
 
 
 def hf_attention_modules(hf_model: nn.Module) -> list[nn.Module]:
@@ -285,11 +300,26 @@ def _through_attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2), None
 
 
+class _HeadsOfThisRank:
+    """`module` as HF's attention function sees it once Ulysses has repeated and split its KV
+    heads: its own attributes, except the query heads per KV head, which HF's functions read
+    from the module (num_key_value_groups) to repeat K and V themselves."""
+
+    def __init__(self, module: nn.Module, groups: int) -> None:
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
 def _as_attend(function: Callable, module: nn.Module) -> Callable[..., torch.Tensor]:
     """An HF attention function (module, q, k, v, mask, **options) -> ([B, T, heads, head_dim],
     weights) as an attend for `module`: (q, k, v, **options) -> [B, heads, T, head_dim]."""
     def attend(query, key, value, **options):
-        return function(module, query, key, value, **options)[0].transpose(1, 2)
+        owner, groups = module, query.shape[1] // key.shape[1]
+        if getattr(module, "num_key_value_groups", groups) != groups:
+            owner = _HeadsOfThisRank(module, groups)
+        return function(owner, query, key, value, **options)[0].transpose(1, 2)
     return attend
 
 

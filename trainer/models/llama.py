@@ -27,9 +27,8 @@ from torch import nn
 from checkpointing.head import summed_head_loss
 from checkpointing.tiles import mark_tiled, tiled
 from trainer.models.attention_tiles import add_query_tiles, tiled_attention
-from trainer.models.doc_attention import (DocumentMask, check_positions, choose_backend,
-                                    document_mask, masked_attention)
-from trainer.models.sequence_parallel import group_place, whole_positions
+from trainer.models.doc_attention import DocumentMask, choose_backend, masked_attention
+from trainer.models.sequence_parallel import group_place, sliced_rope_and_mask
 from trainer.models.llama_counts import (count_params, flops_per_token,  # noqa: F401
                                          init_rule)
 from trainer.models.rope import Rope, apply_rope, rope_at, rope_cos_sin  # noqa: F401 (tests)
@@ -233,7 +232,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # The ranks sharing each sample (families/llama.py's sequence_parallel); None: alone.
-        self.sequence_group = None
+        self.sequence_group = self.context_group = None  # and the ring's (sharding.context)
         # Sequence tiles of the final norm before the head (tile_head); 1: the whole hidden.
         self.head_tiles = 1
         self.tie_weights()
@@ -287,27 +286,21 @@ class Llama(nn.Module):
         whole-sequence result (trainer/models/sequence_parallel.py)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
-        rank, degree = group_place(self.sequence_group)
-        seq_len = tokens.shape[1] * degree
+        seq_len = tokens.shape[1] * group_place(self.sequence_group)[1] * group_place(
+            self.context_group)[1]
         if seq_len > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds the model's max_seq_len="
                 f"{self.args.max_seq_len}; lower data.seq_len or raise max_seq_len"
             )
         hidden = self.tok_embeddings(tokens)
-        if positions is None:
-            rope = rope_cos_sin(self.args.head_dim, seq_len, self.args.rope_theta, tokens.device)
-            if degree > 1:  # the angles of this rank's slice of the whole sequence
-                local = tokens.shape[1]
-                rope = tuple(t[rank * local:(rank + 1) * local] for t in rope)
-            masked: tuple = ()  # blocks are called with (hidden, rope), as before packing
-        else:
-            check_positions(tokens, positions)
-            rope = rope_at(positions, self.args.head_dim, self.args.rope_theta)
-            backend = choose_backend(self.args.packed_attention, tokens.device,
-                                     self.training and self.args.dropout > 0)
-            # Built once and shared: it is O(B * T * T) (sdpa) or a compiled pass (flex).
-            masked = (document_mask(whole_positions(positions, self.sequence_group), backend),)
+        backend = (choose_backend(self.args.packed_attention, tokens.device,
+                                  self.training and self.args.dropout > 0)
+                   if positions is not None else "sdpa")
+        # Unpacked rows: blocks are called with (hidden, rope), as before packing.
+        rope, masked = sliced_rope_and_mask(tokens, positions, self.args.head_dim,
+                                            self.args.rope_theta, backend,
+                                            self.sequence_group, self.context_group)
         for block in self.layers:
             hidden = block(hidden, rope, *masked)
         if targets is not None and (chunk_tokens is not None or rows is not None):

@@ -15,7 +15,15 @@ the rank's slice of the targets) needs nothing. Attention dropout cannot match N
 attends with other heads than it would alone, so it draws other dropout masks (the model is
 still trained with the right dropout rate, only not with N=1's random numbers).
 
-The group lives on the model (`model.sequence_group`, set by the family's `sequence_parallel`)
+Ring attention (sharding.context=M, sharding/ring.py) composes with it: each ring place holds a
+balanced early and late chunk of the sample (its Ulysses group splits that pair contiguously),
+rotary angles come from the true positions of those chunks, Ulysses' all-to-all gathers the
+ring place's tokens, and the ring replaces the attention kernel itself (`ring_wrap`, inside
+Ulysses' wrap). Packed rows carry the ring place's document ids [B, T/M] to it instead of a
+T x T mask (the ring masks each key block it meets).
+
+The groups live on the model (`model.sequence_group`, `model.context_group`, set by the
+family's `sequence_parallel`)
 and everything per forward travels through the forward's own arguments (the block's mask, HF's
 attention kwargs), so activation checkpointing recomputes it from the block's inputs.
 """
@@ -27,6 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from sharding.ring import balanced_slice, gather_ring, ring_attention, sample_positions
 from sharding.sequence import Exchange, gather_sequence, ulysses_attention
 from trainer.models.hf_settings import HF_IMPLEMENTATIONS  # re-exported: the torch-free list
 
@@ -96,3 +105,94 @@ def hf_whole_mask(positions: Optional[torch.Tensor], group: dist.ProcessGroup, s
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
             ~allowed, torch.finfo(dtype).min)
     return allowed
+
+
+# The HF attention kwarg carrying the ring place's document ids (None: causal) to the ring.
+RING_DOCUMENTS = "blocktrain_ring_documents"
+# An attention's keyword arguments -> (document ids or None, scale or None, dropout)
+RingOptions = Callable[[dict], tuple]
+
+
+def llama_ring_options(options: dict) -> tuple:
+    """The built-in attention's arguments (trainer/models/llama.py): `mask` carries the ring
+    place's document ids under the ring (sliced_rope_and_mask), the scale is SDPA's."""
+    return options.get("mask"), None, options.get("dropout_p", 0.0)
+
+
+def ring_wrap(group: dist.ProcessGroup, options: RingOptions = llama_ring_options
+              ) -> Callable[[Attend], Attend]:
+    """A wrap for a family's `wrap_attention`: attention over the ring `group` (sharding/
+    ring.py) in place of the wrapped kernel, which it does not call: the ring runs torch's
+    kernels that return the log-sum-exp its merge needs. `options` reads the document ids
+    [B, T/M] (packed rows; `ring_documents`) or None (causal), the scale and the dropout
+    from the attention's keyword arguments (the family's: the built-in's or HF's). Wrapped
+    inside Ulysses' wrap, it sees the ring place's tokens and the Ulysses rank's heads."""
+    def wrap(current: Attend) -> Attend:
+        def attend(q, k, v, **kwargs):
+            documents, scale, dropout = options(kwargs)
+            if dropout:
+                raise ValueError("ring attention has no attention dropout: set the model's "
+                                 "attention dropout to 0 with sharding.context > 1")
+            if documents is not None and documents.dim() != 2:
+                raise ValueError(f"ring attention takes document ids [B, T] for packed rows, "
+                                 f"got shape {tuple(documents.shape)}")
+            return ring_attention(q, k, v, group, causal=True, scale=scale,
+                                  documents=documents)
+        attend.exchanges_tokens = True  # query tiles must not slice the ring place's tokens
+        return attend
+    return wrap
+
+
+def hf_ring_kwargs(tokens: torch.Tensor, positions: Optional[torch.Tensor],
+                   sequence_group: Optional[dist.ProcessGroup],
+                   context_group: dist.ProcessGroup) -> dict:
+    """HF's keyword arguments for this rank's share under the ring: the true positions of its
+    tokens (rotary angles) and the ring place's document ids (None: unpacked, causal), which
+    the ring reads instead of HF's share-sized mask (trainer/models/hf.py's ring_options)."""
+    if positions is not None:
+        return {"position_ids": positions,
+                RING_DOCUMENTS: ring_documents(positions, sequence_group, context_group)}
+    s_rank, n = group_place(sequence_group)
+    c_rank, m = group_place(context_group)
+    at = sample_positions(tokens.shape[1] * n * m, c_rank, m, s_rank, n, tokens.device)
+    return {"position_ids": at.expand(tokens.shape[0], -1), RING_DOCUMENTS: None}
+
+
+def ring_documents(positions: torch.Tensor, sequence_group: Optional[dist.ProcessGroup],
+                   context_group: dist.ProcessGroup) -> torch.Tensor:
+    """The document ids [B, T/M] of the tokens this rank's ring place holds, numbered over the
+    whole sample (a document crossing ring places keeps its id): from the rank's slice of the
+    packed positions, gathered over its Ulysses group and then the ring."""
+    from trainer.models.doc_attention import document_ids
+
+    whole = gather_ring(whole_positions(positions, sequence_group), context_group)
+    rank, size = group_place(context_group)
+    return balanced_slice(document_ids(whole), rank, size)
+
+
+def sliced_rope_and_mask(tokens: torch.Tensor, positions: Optional[torch.Tensor],
+                         head_dim: int, theta: float, backend: str,
+                         sequence_group: Optional[dist.ProcessGroup],
+                         context_group: Optional[dist.ProcessGroup]) -> tuple[tuple, tuple]:
+    """(rotary tables, the blocks' extra arguments) of the built-in Llama for this rank's
+    tokens: angles at the tokens' true positions in the sample; for packed rows the document
+    mask of the whole sequence (Ulysses: built from the gathered positions, `backend` sdpa or
+    flex) or the ring place's document ids (the ring). Unpacked rows: no extra argument."""
+    from trainer.models.doc_attention import check_positions, document_mask
+    from trainer.models.rope import rope_at, rope_cos_sin
+
+    s_rank, n = group_place(sequence_group)
+    c_rank, m = group_place(context_group)
+    if positions is None:
+        seq_len = tokens.shape[1] * n * m
+        rope = rope_cos_sin(head_dim, seq_len, theta, tokens.device)
+        if n * m > 1:  # the angles of this rank's tokens in the whole sequence
+            at = sample_positions(seq_len, c_rank, m, s_rank, n, tokens.device)
+            rope = tuple(t[at] for t in rope)
+        return rope, ()
+    check_positions(tokens, positions)
+    rope = rope_at(positions, head_dim, theta)
+    if m > 1:
+        return rope, (ring_documents(positions, sequence_group, context_group),)
+    # Built once and shared: it is O(B * T * T) (sdpa) or a compiled pass (flex).
+    return rope, (document_mask(whole_positions(positions, sequence_group), backend),)

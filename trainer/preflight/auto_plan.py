@@ -47,6 +47,7 @@ class Candidate:
     chosen: bool = False
     sequence: int = 1  # sharding.sequence of this candidate
     tiles: int = 1  # checkpointing.tiles of this candidate
+    context: int = 1  # sharding.context of this candidate
     why: str = ""  # why it was refused or chosen
 
 
@@ -63,6 +64,7 @@ class Decision:
     reused: bool = False  # read back from an earlier start of the run (preflight/auto_run.py)
     sequence: int = 1  # the sharding.sequence chosen
     tiles: int = 1  # the checkpointing.tiles chosen
+    context: int = 1  # the sharding.context chosen
 
 
 # (cfg at one micro-batch, its scenario, the meta profile's evaluator) -> (timing, profiles)
@@ -96,7 +98,8 @@ def at_micro_batch(scenario: Scenario, micro_batch: int) -> Scenario:
 
 def at_decision(scenario: Scenario, decision: Decision) -> Scenario:
     """The scenario with what `auto` chose: micro-batch, sequence degree, tiles."""
-    return with_changes(at_sequence(scenario, decision.sequence, decision.tiles),
+    return with_changes(at_sequence(scenario, decision.sequence, decision.context,
+                                    decision.tiles),
                         train={"micro_batch_size": decision.micro_batch})
 
 
@@ -134,14 +137,20 @@ def with_sequence_costs(timing: Timing, profile, scenario: Scenario,
     Tiles: the tiled MLP's forward once more in backward (its FLOPs at `seconds_per_flop`).
     Ulysses: the bytes a rank sends per block forward (measured on meta) over a nominal
     all-to-all bandwidth (NOMINAL_ALL_TO_ALL_BYTES_PER_S, nothing measured or overlapped): twice
-    per block (forward, backward), and once more for a block that recomputes."""
+    per block (forward, backward), and once more for a block that recomputes. The ring
+    (sharding.context): its forward and backward sends (measured on meta) over the same
+    nominal rates, not overlapped with attention (an upper bound; `ring_seconds`)."""
     degree = scenario.layout.degree
     inside = "node" if degree <= scenario.gpus_per_node else "network"
     exchange = profile.sent_bytes_per_block / NOMINAL_ALL_TO_ALL_BYTES_PER_S[inside]
-    compute = tuple(c + m.tile_flops * seconds_per_flop + 2 * exchange
+    from trainer.preflight.exchange import ring_seconds
+
+    ring_forward, ring_backward, _ = ring_seconds(profile, scenario)
+    compute = tuple(c + m.tile_flops * seconds_per_flop + 2 * exchange + ring_forward
+                    + ring_backward
                     for c, m in zip(timing.block_compute, profile.blocks, strict=True))
-    cost = tuple({o: s + (exchange if o != "none" else 0.0) for o, s in c.items()}
-                 for c in timing.block_cost)
+    cost = tuple({o: s + (exchange + ring_forward if o != "none" else 0.0)
+                  for o, s in c.items()} for c in timing.block_cost)
     return dataclasses.replace(timing, block_cost=cost, block_compute=compute)
 
 
@@ -160,32 +169,37 @@ def rest_flops(cfg: Config, profile, degree: int = 1) -> float:
     head = set(profile.head.grad_param_names)
     matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
     tokens = task.head_rows_per_sample
-    # A rank of a sequence group computes 1/N of each sample (its tokens).
-    return 6.0 * matmul * tokens / degree * cfg.train.micro_batch_size
+    # A rank of a sequence group computes 1/N of each sample (its tokens), and 1/M more of it
+    # in a ring of M (sharding.context).
+    return 6.0 * matmul * tokens / (degree * cfg.sharding.context) * cfg.train.micro_batch_size
 
 
 # checkpointing.tiles=auto tries 1, 2, 4, ... up to this many tiles (or one token per tile).
 MAX_AUTO_TILES = 256
 
 
-def sequence_shapes(cfg: Config, layout: Layout) -> list[tuple[int, int]]:
-    """(sequence degree, tiles) pairs `auto` tries, in its order of preference: the smallest
-    degree first (fewest all-to-alls), then the fewest tiles (least recompute). `auto` degrees:
-    the divisors of the world that divide data.seq_len (the heads are checked when traced)."""
+def sequence_shapes(cfg: Config, layout: Layout,
+                    gpus_per_node: Optional[int] = None) -> list[tuple[int, int, int]]:
+    """(sequence degree, context, tiles) `auto` tries, in its order of preference: the fewest
+    ranks per sample first (fewest exchanges; Ulysses inside a node, the ring beyond it or
+    past the heads: trainer/preflight/splits.py), then the fewest tiles (least recompute).
+    gpus_per_node None: one node holds the world."""
+    from trainer.preflight.splits import sample_splits
+
     seq_len = cfg.data.seq_len
     shapes = []
-    for degree in auto_degrees(layout, seq_len):
+    for degree, context in sample_splits(cfg, layout, gpus_per_node or layout.world_size):
         if cfg.checkpointing.tiles == "auto":
-            most = min(MAX_AUTO_TILES, seq_len // degree)
+            most = min(MAX_AUTO_TILES, seq_len // (degree * context))
             tiles = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
         else:
             tiles = [tile_count(cfg.checkpointing)]
-        shapes += [(degree, t) for t in tiles]
+        shapes += [(degree, context, t) for t in tiles]
     return shapes
 
 
-def at_sequence(scenario: Scenario, degree: int, tiles: int) -> Scenario:
-    return with_changes(scenario, sharding={"sequence": degree},
+def at_sequence(scenario: Scenario, degree: int, context: int, tiles: int) -> Scenario:
+    return with_changes(scenario, sharding={"sequence": degree, "context": context},
                         checkpointing={"tiles": tiles})
 
 
@@ -193,20 +207,20 @@ def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
            timer: Timer) -> Decision:
     """The smallest sequence degree and tile count (when `auto`) at which something fits, then
     the micro-batch and plan with the least predicted step time that fit `capacity`."""
-    shapes = sequence_shapes(cfg, scenario.layout)
+    shapes = sequence_shapes(cfg, scenario.layout, scenario.gpus_per_node)
     if len(shapes) == 1:
         return _decide_at(at_sequence(scenario, *shapes[0]), evaluator, capacity, timer)
     refused: list[Candidate] = []
     last: Optional[ConfigError] = None
-    for degree, tiles in shapes:
+    for degree, context, tiles in shapes:
         try:
-            at = at_sequence(scenario, degree, tiles)
+            at = at_sequence(scenario, degree, context, tiles)
             decision = _decide_at(at, evaluator, capacity, timer)
         except (ConfigError, ValueError) as exc:  # nothing fits, or the degree is refused
             last = exc if isinstance(exc, ConfigError) else ConfigError("sharding.sequence",
                                                                         str(exc))
             refused.append(Candidate(0, 0, cfg.checkpointing.policy, "refused", 0, None, False,
-                                     sequence=degree, tiles=tiles,
+                                     sequence=degree, tiles=tiles, context=context,
                                      why=str(exc).split(": ", 1)[-1]))
             continue
         chosen_why = (f"the smallest sequence degree and tile count that fit "
@@ -216,8 +230,13 @@ def decide(cfg: Config, scenario: Scenario, evaluator: Evaluator, capacity: int,
         return dataclasses.replace(decision, candidates=refused + rows)
     assert last is not None
     raise ConfigError(last.key, f"no sequence degree or tile count tried fits "
-                      f"({', '.join(f'sequence {d} tiles {t}' for d, t in shapes)}); the "
+                      f"({', '.join(_shape(*shape) for shape in shapes)}); the "
                       f"largest tried: {str(last).split(': ', 1)[-1]}")
+
+
+def _shape(degree: int, context: int, tiles: int) -> str:
+    return f"sequence {degree}" + (f" context {context}" if context > 1 else "") + \
+        f" tiles {tiles}"
 
 
 def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
@@ -226,6 +245,7 @@ def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
     predicted step time that fit `capacity`."""
     cfg = scenario.cfg
     degree, tiles = scenario.layout.degree, tile_count(cfg.checkpointing)
+    context = scenario.layout.context
     policy = cfg.checkpointing.policy
     rows: list[Candidate] = []
     timed: list[tuple[Choice, int, int, Optional[list[BlockProfile]]]] = []
@@ -242,7 +262,7 @@ def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
             choice = _choose(at.cfg, policy, groups, profile, setup, untimed, capacity)
         except NoFit as exc:
             rows.append(Candidate(micro_batch, accum, policy, "no plan fits", exc.least, None,
-                                  False, sequence=degree, tiles=tiles,
+                                  False, sequence=degree, tiles=tiles, context=context,
                                   why=f"no plan fits: the least is {gib(exc.least)}"))
             if least is None or exc.least < least[0]:
                 least = (exc.least, micro_batch)
@@ -250,14 +270,15 @@ def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
         timing, profiles = timer(at.cfg, at, evaluator)
         choice = _choose(at.cfg, policy, groups, profile, setup, timing, capacity)
         rows.append(Candidate(micro_batch, accum, policy, describe(choice.plan), choice.peak,
-                              choice.step_s, True, sequence=degree, tiles=tiles))
+                              choice.step_s, True, sequence=degree, tiles=tiles,
+                              context=context))
         if policy == "auto":  # the uniform policies beside it, for the record
             for uniform in UNIFORM:
                 other = evaluate_plan(groups, profile, setup, timing,
                                       fixed_plan(at.cfg, names, uniform))
                 rows.append(Candidate(micro_batch, accum, uniform, describe(other.plan),
                                       other.peak, other.step_s, other.peak <= capacity,
-                                      sequence=degree, tiles=tiles))
+                                      sequence=degree, tiles=tiles, context=context))
         timed.append((choice, micro_batch, accum, profiles))
     if not timed:
         raise ConfigError("train.memory_gib", no_fit_message(cfg, scenario, evaluator, capacity,
@@ -269,7 +290,8 @@ def _decide_at(scenario: Scenario, evaluator: Evaluator, capacity: int,
     rows = [dataclasses.replace(r, chosen=True) if (r.micro_batch, r.policy) ==
             (micro_batch, policy) else r for r in rows]
     return Decision(micro_batch, accum, with_tiles(choice.plan, tiles), capacity, choice.peak,
-                    choice.step_s, rows, profiles, sequence=degree, tiles=tiles)
+                    choice.step_s, rows, profiles, sequence=degree, tiles=tiles,
+                    context=context)
 
 
 def _choose(cfg: Config, policy: str, groups, profile, setup, timing: Timing,
@@ -346,10 +368,10 @@ def alternatives(cfg: Config, scenario: Scenario, evaluator: Evaluator,
 
 def auto_table(decision: Decision) -> str:
     """The candidates as a terminal table, the chosen one marked."""
-    lines = [f"{'':1} {'seq':>3} {'tiles':>5} {'micro':>5} {'accum':>5} {'policy':<9} "
+    lines = [f"{'':1} {'seq':>3} {'ctx':>3} {'tiles':>5} {'micro':>5} {'accum':>5} {'policy':<9} "
              f"{'predicted peak GiB':>18} {'step s':>9} {'fits':<4} plan"]
     for r in decision.candidates:
-        lead = f"{'*' if r.chosen else ' ':1} {r.sequence:>3} {r.tiles:>5}"
+        lead = f"{'*' if r.chosen else ' ':1} {r.sequence:>3} {r.context:>3} {r.tiles:>5}"
         if r.plan == "refused":  # a degree or tile count at which nothing was fitted
             lines.append(f"{lead} {'-':>5} {'-':>5} {r.policy:<9} {'-':>18} {'-':>9} no   "
                          f"{r.why}")

@@ -33,7 +33,8 @@ from trainer.build import build_on_meta, find_model_blocks
 from sharding.layout import Layout
 from trainer.config import Config, ConfigError, tile_count
 from trainer.distenv import DistEnv
-from trainer.preflight.scenario import Evaluator, Scenario, one_rank_of_sequence
+from trainer.preflight.scenario import (Evaluator, Scenario, one_rank_of_sequence,
+                                        rank_share)
 from trainer.task import task_for
 
 log = logging.getLogger("trainer")
@@ -73,8 +74,9 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
         one_rank_of_sequence(cfg, model, degree, tile_count(cfg.checkpointing))
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         inputs, targets = task.example(cfg.train.micro_batch_size)
-        if degree > 1:  # this rank's slice of each row (a language model's tokens)
-            inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
+        share = rank_share(cfg, degree)
+        if share > 1:  # this rank's share of each row (a language model's tokens)
+            inputs, targets = (t[:, :t.shape[1] // share] for t in (inputs, targets))
         trace = trace_on_meta(model, blocks, lambda m: task.loss(m, inputs, targets))
         profiles = profile_blocks(blocks, trace, device,
                                   resolve_ops(cfg.checkpointing.save_ops), repeats)
@@ -120,7 +122,8 @@ def _read(path: str, key: dict) -> Optional[Decision]:
         return Decision(d["micro_batch"], d["grad_accum"], [BlockPlan(**p) for p in d["plan"]],
                         d["capacity"], d["peak_bytes"], d["step_s"],
                         [Candidate(**c) for c in d["candidates"]], reused=True,
-                        sequence=d.get("sequence", 1), tiles=d.get("tiles", 1))
+                        sequence=d.get("sequence", 1), tiles=d.get("tiles", 1),
+                        context=d.get("context", 1))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -163,15 +166,16 @@ def run_auto(cfg: Config, layout: Layout, denv: DistEnv, run_dir: str,
     if isinstance(payload[0], tuple):
         raise ConfigError(*payload[0])
     decision = payload[0]
-    decided = layout.decided(decision.sequence, decision.micro_batch)
+    decided = layout.decided(decision.sequence, decision.micro_batch, decision.context)
     assert decided.grad_accum == decision.grad_accum, (decided, decision.grad_accum)
     return chosen_config(cfg, decision), decided, decision
 
 
 def chosen_config(cfg: Config, decision: Decision) -> Config:
     """The config with what `auto` chose made concrete, for the build: the micro-batch, the
-    sequence degree and the tile count (the plan's blocks carry the tiles too)."""
+    sequence degree, the ring and the tile count (the plan's blocks carry the tiles too)."""
     return dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, micro_batch_size=decision.micro_batch),
-        sharding=dataclasses.replace(cfg.sharding, sequence=decision.sequence),
+        sharding=dataclasses.replace(cfg.sharding, sequence=decision.sequence,
+                                     context=decision.context),
         checkpointing=dataclasses.replace(cfg.checkpointing, tiles=decision.tiles))

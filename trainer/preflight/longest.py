@@ -33,6 +33,8 @@ class Longest:
 def step_of(scenario: Scenario, tokens: int = STEP_TOKENS) -> int:
     layout = scenario.layout
     divides = layout.world_size if layout.sequence == "auto" else layout.degree
+    if layout.context > 1:  # each ring place holds 2 of 2M equal chunks, split N ways
+        divides *= 2 * layout.context
     return math.lcm(tokens, divides)
 
 

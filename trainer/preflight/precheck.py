@@ -124,7 +124,7 @@ def _sequence(cfg: Config, layout) -> None:
     family tiles."""
     family, tiles = family_of(cfg.model), cfg.checkpointing.tiles
     degree = 1 if layout is None else layout.least_degree
-    if degree > 1:
+    if degree > 1 or layout is not None and layout.context > 1:  # the ring needs the hook too
         family.check_sequence_parallel(cfg.model, degree)
     if isinstance(tiles, int) and tiles > 1:
         from trainer.build import build_on_meta, find_model_blocks

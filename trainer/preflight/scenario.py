@@ -22,6 +22,7 @@ from checkpointing.planner.policies import Budget, OffloadCost, choose_plan, res
 from checkpointing.planner.profile import BlockProfile
 from checkpointing.wrap import resolve_ops
 from sharding.fsdp import DTYPES
+from sharding.ring import MetaRingExchange
 from sharding.sequence import MetaExchange
 from trainer.build import build_run_model, find_model_blocks, lora_base_dtype
 from trainer.config import Config, tile_count
@@ -42,21 +43,32 @@ NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
 
 
 
-def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int) -> Optional[MetaExchange]:
+def one_rank_of_sequence(cfg: Config, model, degree: int, tiles: int
+                         ) -> tuple[Optional[MetaExchange], Optional[MetaRingExchange]]:
     """Make a meta model run as one rank does: its blocks' token-wise parts (and the final
-    norm, where the family tiles it) in `tiles` sequence tiles, and, for a degree > 1,
-    attention through Ulysses with the meta exchange (sharding/sequence.py's, the trainer's
-    code with allocations for the all-to-alls; returned, to count what they send)."""
+    norm, where the family tiles it) in `tiles` sequence tiles; for sharding.context=M > 1,
+    attention through the ring with the meta ring (sharding/ring.py's MetaRingExchange: the
+    ring's own code, its buffers as allocations); for a degree > 1, Ulysses' wrap around it
+    with the meta exchange (sharding/sequence.py's). Returns both stand-ins (None: not used),
+    to count what they send."""
     family = family_of(cfg.model)
     if tiles > 1:
         for _, block in family.blocks(model, cfg.model.block_pattern):
             family.tile_block(block, tiles)
         family.tile_head(model, tiles)
-    if degree == 1:
-        return None
-    exchange = MetaExchange(degree)
-    family.wrap_ulysses(model, exchange)
-    return exchange
+    ring = exchange = None
+    if cfg.sharding.context > 1:
+        ring = MetaRingExchange(cfg.sharding.context)
+        family.wrap_ring(model, ring)
+    if degree > 1:
+        exchange = MetaExchange(degree)
+        family.wrap_ulysses(model, exchange)
+    return exchange, ring
+
+
+def rank_share(cfg: Config, degree: int) -> int:
+    """Ranks sharing each sample: the sequence degree x sharding.context."""
+    return degree * cfg.sharding.context
 
 
 @dataclass(frozen=True)
@@ -170,15 +182,18 @@ class Evaluator:
                 ) -> tuple[MetaProfile, list[ParamGroup], torch.dtype]:
         """Meta profile, parameter groups and parameter dtype of a config (cached by shapes).
 
-        One rank's: with a sequence degree N (the scenario's layout's) its T/N tokens, attention between the meta
-        stand-in of Ulysses' all-to-alls (sharding/sequence.py's MetaExchange); with
+        One rank's: with a sequence degree N (the scenario's layout's) and sharding.context M
+        its T/(N M) tokens, attention between the meta stand-ins of Ulysses' all-to-alls
+        (sharding/sequence.py's MetaExchange) and through the ring's own code with a meta ring
+        (sharding/ring.py's MetaRingExchange); with
         checkpointing.tiles=n every block's MLP tiled as the trainer tiles it."""
         task = task_for(cfg.model, cfg.data, cfg.checkpointing)
         tiles = tile_count(cfg.checkpointing)
         key = (repr(cfg.model), cfg.train.micro_batch_size, cfg.data.seq_len,
                cfg.sharding.param_dtype if cfg.sharding.mode != "none" else None,
                tuple(cfg.checkpointing.save_ops), task.head_chunk, task.gather_rows,
-               task.meta_fraction, degree, tiles, self.attention(cfg), lora_base_dtype(cfg))
+               task.meta_fraction, degree, cfg.sharding.context, tiles, self.attention(cfg),
+               lora_base_dtype(cfg))
         if key not in self._profiles:
             model = build_run_model(cfg)
             names, blocks = find_model_blocks(model, cfg.model)
@@ -188,22 +203,20 @@ class Evaluator:
             groups = param_groups(model, blocks, names)
             if key[3] is not None and DTYPES[key[3]] != orig_dtype:
                 cast_like_fsdp(model, blocks, DTYPES[key[3]])
-            exchange = one_rank_of_sequence(cfg, model, degree, tiles)
+            exchange, ring = one_rank_of_sequence(cfg, model, degree, tiles)
             inputs, targets = task.example(cfg.train.micro_batch_size)
-            if degree > 1:  # this rank's slice of each row (a language model's tokens)
-                inputs, targets = (t[:, :t.shape[1] // degree] for t in (inputs, targets))
+            share = rank_share(cfg, degree)
+            if share > 1:  # this rank's share of each row (a language model's tokens)
+                inputs, targets = (t[:, :t.shape[1] // share] for t in (inputs, targets))
             names_ops = list(cfg.checkpointing.save_ops)
             profile = profile_on_meta(model, names, blocks,
                                       lambda m: task.loss(m, inputs, targets),
                                       resolve_ops(names_ops), names_ops,
                                       like_cpu=self.device_type == "cpu",
                                       attention=self.attention(cfg))
-            if exchange is not None:  # one forward's all-to-alls, counted alone
-                exchange.sent_bytes = 0
-                with torch.no_grad(), FusedAttentionOnMeta(self.device_type == "cpu"):
-                    task.loss(model, inputs, targets)
-                profile = dataclasses.replace(
-                    profile, sent_bytes_per_block=exchange.sent_bytes // max(1, len(blocks)))
+            if exchange is not None or ring is not None:
+                profile = self._count_sent(profile, task, model, inputs, targets, exchange,
+                                           ring, len(blocks))
             self._profiles[key] = (profile, groups, orig_dtype)
         return self._profiles[key]
 
@@ -211,6 +224,28 @@ class Evaluator:
         """The GPU attention kernel whose workspace this prediction counts (model.attention,
         auto predicted), or None."""
         return resolve_attention(cfg, "cuda")[0] if self.gpu_workspace else None
+
+    def _count_sent(self, profile: MetaProfile, task, model, inputs, targets,
+                    exchange: Optional[MetaExchange], ring: Optional[MetaRingExchange],
+                    blocks: int) -> MetaProfile:
+        """One forward's all-to-alls and ring sends, counted alone; the ring's backward sends
+        from one forward and backward (less the forward's)."""
+        for stand_in in (exchange, ring):
+            if stand_in is not None:
+                stand_in.sent_bytes = 0
+        with torch.no_grad(), FusedAttentionOnMeta(self.device_type == "cpu"):
+            task.loss(model, inputs, targets)
+        blocks = max(1, blocks)
+        sent = {"sent_bytes_per_block": 0 if exchange is None else exchange.sent_bytes // blocks}
+        if ring is not None:
+            forward, ring.sent_bytes = ring.sent_bytes, 0
+            with FusedAttentionOnMeta(self.device_type == "cpu"):
+                task.loss(model, inputs, targets).backward()
+            backward = ring.sent_bytes - forward
+            model.zero_grad(set_to_none=True)
+            sent.update(ring_sent_bytes_per_block=forward // blocks,
+                        ring_backward_bytes_per_block=backward // blocks)
+        return dataclasses.replace(profile, **sent)
 
     def setup(self, scenario: Scenario) -> Setup:
         return setup_of(scenario, self.profile(scenario.cfg, scenario.layout.degree)[2],

@@ -74,7 +74,8 @@ def summary(outcome) -> dict:
         "recompute_flops_per_step": est.recompute_flops,
         "recompute_seconds_per_step": est.recompute_flops * outcome.seconds_per_flop,
         "host_bytes": est.host, "not_modeled": not_modeled(sc.cfg),
-        "sequence": sc.layout.degree, "tiles": tile_count(sc.cfg.checkpointing),
+        "sequence": sc.layout.degree, "context": sc.layout.context,
+        "tiles": tile_count(sc.cfg.checkpointing), "exchange": _exchange(outcome),
         "host_per_rank_bytes": {"offloaded_activations": est.host_activations,
                                 "params_grads_optimizer": est.host,
                                 "total": est.host + est.host_activations},
@@ -83,6 +84,12 @@ def summary(outcome) -> dict:
         "rest_bytes": outcome.profile.rest_bytes,
         "head": asdict(outcome.profile.head),
     }
+
+
+def _exchange(outcome) -> dict:
+    from trainer.preflight.exchange import exchange_summary
+
+    return exchange_summary(outcome)
 
 
 def table(outcome, tflops: float) -> str:
@@ -126,6 +133,9 @@ def table(outcome, tflops: float) -> str:
                      f"offloaded activations per rank at the end of the forward, "
                      f"{est.host_activations * sc.gpus_per_node / GIB:.2f} GiB per node of "
                      f"{sc.gpus_per_node} ranks")
+    from trainer.preflight.exchange import exchange_lines
+
+    lines += exchange_lines(outcome)
     for note in not_modeled(sc.cfg):
         lines.append(f"note: {note}")
     if outcome.budget is not None:
@@ -171,9 +181,11 @@ def frozen_line(outcome) -> Optional[str]:
 
 def sequence_text(sc, tokens: int) -> str:
     """', sequence 8 (1/8 of each sample's tokens on this rank), MLP in 16 tiles'."""
-    degree, tiles = sc.layout.degree, tile_count(sc.cfg.checkpointing)
-    text = (f", sequence {degree} ({tokens // degree} of each sample's tokens on this rank)"
-            if degree > 1 else "")
+    degree, tiles, context = sc.layout.degree, tile_count(sc.cfg.checkpointing), sc.layout.context
+    share = degree * context
+    ranks = f"sequence {degree}" + (f" x context {context}" if context > 1 else "")
+    text = (f", {ranks} ({tokens // share} of each sample's tokens on this rank)"
+            if share > 1 else "")
     return text + (f", {tiles} sequence tiles" if tiles > 1 else "")
 
 

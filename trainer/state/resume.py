@@ -65,7 +65,7 @@ class RunRecord:
         return {"progress": dataclasses.asdict(progress), "scheduler": scheduler.state_dict(),
                 "world_size": self.layout.world_size,
                 "global_batch_size": self.layout.global_batch_size,
-                "sequence": self.layout.degree,
+                "sequence": self.layout.degree, "context": self.layout.context,
                 "seq_len": self.cfg.data.seq_len, "data_seed": self.cfg.train.seed,
                 "wandb_run_id": wandb_id, "config": dataclasses.asdict(self.cfg),
                 "data": None if self.data is None else self.data.record(),
@@ -117,7 +117,10 @@ def resume(checkpointer: Checkpointer, model: ModelState, layout: Layout, cfg: C
     if loaded is None:
         return None
     state = loaded.state
-    data.check_resume(state["world_size"], state["global_batch_size"], state.get("sequence", 1))
+    # Ranks that shared each sample then (sequence x context): any (N', M') and world size
+    # resume, the parameters and optimizer state being whole-model (resharded on load).
+    saved_share = state.get("sequence", 1) * state.get("context", 1)
+    data.check_resume(state["world_size"], state["global_batch_size"], saved_share)
     progress = restore(loaded, model.scheduler)
     notes = [f"resumed from {loaded.path} (step {progress.step}, batch {progress.batch_index})"]
     changed_data = data.continue_from(state.get("data"), cfg.data.on_change,
@@ -157,8 +160,8 @@ def _same_validation(state: dict, cfg: Config, data: Data) -> Optional[str]:
     whatever the world size, degree and micro-batch now, so val_loss goes on; a line where
     that is not so: train.eval_batches changed (a new set asked for), or the checkpoint does
     not say its set (saved before it was recorded, with an unresolved micro-batch)."""
-    was = state.get("val_samples") or _val_samples(state["config"], state["world_size"],
-                                                   state.get("sequence", 1))
+    was = state.get("val_samples") or _val_samples(
+        state["config"], state["world_size"], state.get("sequence", 1) * state.get("context", 1))
     asked = state["config"].get("train", {}).get("eval_batches")
     if was is None or asked != cfg.train.eval_batches:
         if was is None or was == data.val_samples:

@@ -205,10 +205,33 @@ class Family:
         alone cannot tell. Refuses with the ConfigError naming the key."""
         self.check_sequence(m, degree)
 
-    def sequence_parallel(self, model: nn.Module, group: torch.distributed.ProcessGroup) -> int:
-        """Make `model` run sequence-parallel over `group`; returns the attention modules
-        wrapped. Once per model, before or after FSDP; see the subclass for its contract."""
+    def sequence_parallel(self, model: nn.Module, group: Optional[torch.distributed.ProcessGroup],
+                          context_group: Optional[torch.distributed.ProcessGroup] = None) -> int:
+        """Make `model` run sequence-parallel over `group` (Ulysses) and `context_group` (the
+        ring; None: none); returns the attention modules wrapped. Once per model, before or
+        after FSDP; see the subclass for its contract."""
         raise NotImplementedError(f"model.arch={self.arch} has no sequence parallelism")
+
+    # Ring attention (sharding.context, sharding/ring.py).
+    def ring_options(self) -> Optional[Callable[[dict], tuple]]:
+        """How the ring reads this family's attention keyword arguments (document ids, scale,
+        dropout; trainer/models/sequence_parallel.py's ring_wrap); None: the built-in's."""
+        return None
+
+    def wrap_ring(self, model: nn.Module, group_or_exchange) -> int:
+        """Every attention of `model` through the ring over a process group (sequence_parallel)
+        or the meta trace's MetaRingExchange (trainer/preflight/scenario.py), one code path
+        for both; wrap Ulysses around it after. Returns the attention modules wrapped."""
+        from trainer.models.sequence_parallel import llama_ring_options, ring_wrap
+
+        return self.wrap_attention(model, ring_wrap(group_or_exchange,
+                                                    self.ring_options() or llama_ring_options))
+
+    def check_context(self, m: ModelConfig, context: int, compiled: bool = False) -> None:
+        """Without torch (trainer/validate.py): refuse, naming the key, a context degree > 1
+        this family's model or attention cannot run through the ring."""
+        raise ConfigError("sharding.context", f"model.arch={self.arch} has no ring attention "
+                          "(llama and qwen3 have); set sharding.context=1")
 
     def ulysses_options(self) -> Optional[Callable[[dict, int, int, int], dict]]:
         """How this family's attention keyword arguments change under Ulysses (see

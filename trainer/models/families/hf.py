@@ -79,9 +79,9 @@ class HFCausalLM(LanguageModel):
 
     def check_sequence(self, m: ModelConfig, degree: int) -> None:
         """Without torch: an implementation whose whole-sequence mask we build (sdpa, eager),
-        and a degree dividing the heads and the KV heads (HF repeats KV heads inside its
-        attention, after the all-to-all: they cannot be repeated before it). Heads the config's
-        fields do not name are checked on the meta model (check_sequence_parallel)."""
+        and a degree dividing the query heads (KV heads it does not divide are repeated before
+        the all-to-all, as for the built-in models). Heads the config's fields do not name are
+        checked on the meta model (check_sequence_parallel)."""
         key = "model.attn_implementation"
         if m.attn_implementation not in HF_IMPLEMENTATIONS:
             raise ConfigError(key, f"{m.attn_implementation!r} cannot run sequence-parallel "
@@ -111,6 +111,31 @@ class HFCausalLM(LanguageModel):
                               f"not go through transformers' attention registry in every layer "
                               f"({found} of {layers}); it cannot run sequence-parallel")
 
+    def check_context(self, m: ModelConfig, context: int, compiled: bool = False) -> None:
+        """Without torch: the ring replaces an sdpa or eager attention of a causal decoder;
+        it has no attention dropout, sliding window or soft-capping, so a config setting one
+        is refused naming it (the registry hook itself is checked on the meta model)."""
+        if m.attn_implementation not in HF_IMPLEMENTATIONS:
+            raise ConfigError("model.attn_implementation", f"{m.attn_implementation!r} cannot "
+                              f"run through the ring (sharding.context={context}); use one "
+                              f"of {', '.join(HF_IMPLEMENTATIONS)}")
+        fields = hf_fields(m)
+        if fields.get("attention_dropout"):
+            raise ConfigError("model.hf_config", f"attention_dropout="
+                              f"{fields['attention_dropout']}: ring attention (sharding."
+                              f"context={context}) has none; set attention_dropout: 0")
+        for name in ("sliding_window", "attn_logit_softcapping"):
+            if fields.get(name) is not None and fields.get("use_sliding_window", True):
+                raise ConfigError("sharding.context", f"this model sets {name}="
+                                  f"{fields[name]}, which ring attention does not apply; set "
+                                  "sharding.context=1 (sharding.sequence serves it)")
+
+    def ring_options(self) -> Callable[[dict], tuple]:
+        """HF's scaling, dropout and the ring place's document ids (trainer/models/hf.py)."""
+        from trainer.models.hf import ring_options
+
+        return ring_options
+
     def ulysses_options(self) -> Callable[[dict, int, int, int], dict]:
         """HF's slice-sized mask and positions give way to the whole sequence's
         (trainer/models/hf.py's ulysses_options)."""
@@ -123,25 +148,33 @@ class HFCausalLM(LanguageModel):
         `mlp`."""
         return getattr(block, "mlp", None)
 
-    def sequence_parallel(self, model: nn.Module, group) -> int:
+    def sequence_parallel(self, model: nn.Module, group, context_group=None) -> int:
         """As the built-in Llama's (families/llama.py): every attention module's registered
         function runs inside Ulysses' all-to-all, with the whole sequence's mask instead of
         HF's slice-sized one; `positions` are the slice of the packed positions, or None for
         unpacked rows (the model passes the slice's global positions as position_ids). The
-        model's implementation must pass check_sequence_parallel, and the group must divide
-        its KV heads. Returns the attention modules wrapped."""
+        model's implementation must pass check_sequence_parallel; KV heads the group does not
+        divide are repeated before the split. With `context_group` (sharding.context) the
+        registered function is the ring's (trainer/models/hf.py's ring_options: HF's scaling,
+        the ring place's document ids) inside Ulysses' wrap. Returns the attention modules
+        wrapped."""
         from sharding.sequence import GroupExchange
 
         implementation = model.hf.config._attn_implementation
         if implementation not in HF_IMPLEMENTATIONS:
             raise ConfigError("model.attn_implementation", f"{implementation!r} cannot run "
                               f"sequence-parallel; use one of {', '.join(HF_IMPLEMENTATIONS)}")
-        wrapped = self.wrap_ulysses(model, GroupExchange(group))
+        wrapped = 0
+        if context_group is not None:  # the ring first, Ulysses' wrap around it
+            wrapped = self.wrap_ring(model, context_group)
+            model.context_group = context_group
+        if group is not None:
+            wrapped = self.wrap_ulysses(model, GroupExchange(group))
+            model.sequence_group = group
         if wrapped == 0:
             raise ConfigError("model.attn_implementation", "this model's attention does not "
                               "go through transformers' attention registry")
         model.sequence_implementation = implementation
-        model.sequence_group = group
         return wrapped
 
     def context_length(self, m: ModelConfig, model: nn.Module) -> Optional[int]:
@@ -172,10 +205,15 @@ class HFCausalLM(LanguageModel):
 
 
 def _divides_heads(degree: int, heads: int, kv_heads: int) -> None:
-    if heads % degree or kv_heads % degree:
-        raise ConfigError("sharding.sequence", f"{degree} must divide the model's attention "
-                          f"heads ({heads}) and KV heads ({kv_heads}): each rank attends with "
-                          "1/N of them, and an HF model repeats its KV heads after the split")
+    """The degree divides the query heads; KV heads it does not divide are repeated before
+    the split (sharding/degrees.py's kv_repeats), so the KV heads do not bound it."""
+    from sharding.degrees import kv_repeats
+
+    try:
+        kv_repeats(heads, kv_heads, degree)
+    except ValueError as exc:
+        raise ConfigError("sharding.sequence", f"{exc} (the HF model's attention heads "
+                          f"{heads}, KV heads {kv_heads})") from None
 
 
 FAMILY = HFCausalLM()

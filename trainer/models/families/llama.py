@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from trainer.config import ConfigError, ModelConfig, require
 from trainer.models.families.base import LanguageModel
@@ -91,7 +91,15 @@ class Llama(LanguageModel):
         """The final norm, tiled before the head (plain or chunked, all rows or gathered)."""
         model.tile_head(tiles)
 
-    def sequence_parallel(self, model: nn.Module, group: ProcessGroup) -> int:
+    def check_context(self, m: ModelConfig, context: int, compiled: bool = False) -> None:
+        """The ring serves every built-in Llama's attention (any heads: it carries the KV heads
+        unrepeated), but has no attention dropout, which model.dropout also drives."""
+        require(m.dropout == 0, "model.dropout", f"ring attention (sharding.context={context}) "
+                f"has no attention dropout, and the built-in Llama's model.dropout drives it: "
+                f"set model.dropout=0 (now {m.dropout})")
+
+    def sequence_parallel(self, model: nn.Module, group: Optional[ProcessGroup],
+                          context_group: Optional[ProcessGroup] = None) -> int:
         """Run `model` sequence-parallel over `group` (N ranks sharing each sample): every
         block's attention is wrapped in Ulysses' all-to-all (sharding/sequence.py) and the
         model remembers the group. From then on, rank r of the group calls the model as before
@@ -102,11 +110,21 @@ class Llama(LanguageModel):
         or the chunked head's loss summed over the slice's targets; the caller divides by the
         global supervised count and sums gradients over the group (FSDP's reduce does when the
         group is inside its mesh). Exact except attention dropout, which draws other masks (see
-        trainer/models/sequence_parallel.py). Returns the attention modules wrapped."""
+        trainer/models/sequence_parallel.py). With `context_group` (a ring of M places,
+        sharding.context) each place holds a balanced pair of the 2M chunks of each row, its
+        Ulysses group splitting that pair (sharding/ring.py's sample_slice), and the ring
+        attends across places. Returns the attention modules wrapped."""
         from sharding.sequence import GroupExchange
 
-        wrapped = self.wrap_ulysses(model, GroupExchange(group))
-        model.sequence_group = group
+        wrapped = 0
+        # The ring first: Ulysses' wrap goes around it (its all-to-all gathers the ring
+        # place's tokens for the ring, which attends over the ring's M places).
+        if context_group is not None:
+            wrapped = self.wrap_ring(model, context_group)
+            model.context_group = context_group
+        if group is not None:
+            wrapped = self.wrap_ulysses(model, GroupExchange(group))
+            model.sequence_group = group
         return wrapped
 
     def flops_per_token(self, m: ModelConfig, model: nn.Module, tokens_per_sample: int) -> float:
