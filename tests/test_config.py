@@ -106,6 +106,7 @@ def test_config_keys_are_frozen() -> None:
         "train.host_reserve_gib",
         "sharding.mode", "sharding.replicate", "sharding.reshard_after_forward",
         "sharding.param_dtype", "sharding.reduce_dtype", "sharding.cpu_offload", "sharding.sequence",
+        "sharding.context",
         "checkpointing.policy", "checkpointing.every", "checkpointing.save_ops",
         "checkpointing.budget", "checkpointing.profile_repeats", "checkpointing.profile",
         "checkpointing.plan_file",
