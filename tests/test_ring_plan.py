@@ -13,6 +13,7 @@ from trainer.preflight.auto_plan import auto_table, decide, flop_timing, sequenc
 from trainer.preflight.exchange import exchange_lines, exchange_summary
 from trainer.preflight.longest import step_of
 from trainer.preflight.splits import sample_splits
+from trainer.preflight.step_report import outcome_step_time
 from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, Evaluator, Scenario
 
 # tiny: dim 128, 4 heads of 32, 2 KV heads, fp32, 4 blocks; data.seq_len=1024
@@ -60,6 +61,12 @@ def test_the_step_time_and_the_report_carry_the_rings_sends() -> None:
     # Across 2 nodes of 2 GPUs the ring's hops leave the node.
     spread = evaluator.evaluate(Scenario(scenario.cfg, scenario.layout, 2))
     assert exchange_summary(spread)["ring_hops"] == "network"
+    # A rank's tokens per step are its 1/(sequence x context) of the sample (issue 44's
+    # tokens/s), not the Ulysses share alone.
+    both = evaluator.evaluate(_scenario(TINY + ["sharding.context=2", "sharding.sequence=2"],
+                                        world=4))
+    for out in (outcome, both):
+        assert outcome_step_time(out, 400.0).tokens_per_rank == SEQ // 4
 
 
 def test_auto_and_longest_keep_the_rings_chunks() -> None:

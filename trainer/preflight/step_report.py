@@ -14,7 +14,8 @@ def outcome_step_time(outcome, tflops: float, device_type: str = "cuda") -> Step
     sc, profile = outcome.scenario, outcome.profile
     cfg, degree = sc.cfg, sc.layout.degree
     task = task_for(cfg.model, cfg.data, cfg.checkpointing)
-    tokens = task.tokens_per_sample * cfg.train.micro_batch_size // degree
+    # A rank holds 1/(sequence x context) of each sample's tokens (Ulysses and the ring).
+    tokens = task.tokens_per_sample * cfg.train.micro_batch_size // sc.layout.share
     inside = "node" if degree <= sc.gpus_per_node else "network"
     moves = cfg.offload.target == "disk" or (cfg.offload.target == "cpu" and device_type == "cuda")
     return step_time(profile, outcome.plan, sc.layout.grad_accum,
