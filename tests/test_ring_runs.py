@@ -124,6 +124,8 @@ def test_sequence_2_by_context_2_and_hsdp_rings_on_four_ranks(work) -> None:
     (["sharding.context=2", "model=vit_tiny", "data=synthetic_images"], 2, "sharding.context",
      "model.arch=vit has no ring attention"),
     (["sharding.context=0"], 2, "sharding.context", "must be a positive integer"),
+    (["sharding.context=2", "model.attention=math"], 2, "model.attention",
+     "math cannot run under sharding.context=2"),
     (["sharding.context=2", "model=hf", HF_LLAMA[:-1] + ", attention_dropout: 0.1}"], 2,
      "model.hf_config", "attention_dropout=0.1: ring attention"),
     (["sharding.context=2", "model=hf", HF_LLAMA, "model.attn_implementation=flex_attention"],

@@ -52,6 +52,11 @@ def _check_sequence(cfg: Config, layout: Layout) -> None:
                 f"2 x sharding.context x sharding.sequence = {chunks} must divide data.seq_len="
                 f"{cfg.data.seq_len}: each ring rank holds a balanced early and late chunk of "
                 f"2 x {context}, split over its sequence group")
+        # The ring runs its own kernels (the CPU flash or CUDA efficient one, for their
+        # log-sum-exp): a named backend would be silently replaced.
+        require(cfg.model.attention == "auto", "model.attention",
+                f"{cfg.model.attention} cannot run under sharding.context={context}: the ring "
+                "takes its own attention kernels; set model.attention=auto")
         return
     if degree == 1:
         return
