@@ -26,8 +26,11 @@ ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn
 BUILDERS = {"llama": build_llama, "qwen3": build_qwen3}
 
 
-def _pair(tiles: int, model: str = "llama") -> tuple[torch.nn.Module, torch.nn.Module]:
-    args = ARGS if model == "llama" else dataclasses.replace(ARGS, head_width=16)
+def _pair(tiles: int, model: str = "llama", base: LlamaArgs = ARGS,
+          head: bool = True) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """An untiled model and its tiled twin with the same weights (head: tile the final norm
+    and head too)."""
+    args = base if model == "llama" else dataclasses.replace(base, head_width=16)
     torch.manual_seed(0)
     plain = BUILDERS[model](args, device="cpu")
     for p in plain.parameters():
@@ -36,7 +39,8 @@ def _pair(tiles: int, model: str = "llama") -> tuple[torch.nn.Module, torch.nn.M
     tiled.load_state_dict(plain.state_dict())
     for block in tiled.layers:
         block.tile(tiles)
-    tiled.tile_head(tiles)
+    if head:
+        tiled.tile_head(tiles)
     return plain, tiled
 
 

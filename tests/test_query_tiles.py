@@ -6,8 +6,6 @@ fp32 rotary copy, and the GPU kernel's workspace per tile in the meta trace."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +16,7 @@ from checkpointing.planner.metatrace import profile_on_meta
 from checkpointing.query_tiles import lower_right_attention, query_tiled
 from checkpointing.tiles import tile_sizes
 from checkpointing.wrap import checkpoint_block, resolve_ops
+from tests.test_block_tiles import _pair as tiled_pair
 from trainer.models.llama import LlamaArgs, build_llama, lm_loss
 from trainer.models.qwen3 import build_qwen3
 from trainer.models.rope import rope_cos_sin
@@ -63,16 +62,7 @@ def test_query_tiles_equal_whole_causal_attention(tiles: int, kv_heads: int) -> 
 
 
 def _pair(tiles: int, model: str):
-    args = ARGS if model == "llama" else dataclasses.replace(ARGS, head_width=16)
-    torch.manual_seed(0)
-    plain = BUILDERS[model](args, device="cpu")
-    for p in plain.parameters():
-        torch.nn.init.normal_(p, std=0.2)  # norms away from 1: their gradients matter
-    tiled = BUILDERS[model](args, device="cpu")
-    tiled.load_state_dict(plain.state_dict())
-    for block in tiled.layers:
-        block.tile(tiles)
-    return plain, tiled
+    return tiled_pair(tiles, model, base=ARGS, head=False)
 
 
 def _query_tile_nodes(root) -> int:
