@@ -209,6 +209,13 @@ def test_the_ground_never_imports_the_planner_and_only_launch_imports_the_benchm
     assert room_violations(REPO) == []
 
 
+def _plant(root, files: dict[str, str]) -> None:
+    """Write a made-up project: each path under `root` with its text."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_the_room_check_sees_a_planted_import(tmp_path) -> None:
     files = {"checkpointing/wrap.py": "def f():\n    from checkpointing.planner.search import x\n",
              "checkpointing/head.py": "from . import planner\n",
@@ -218,9 +225,7 @@ def test_the_room_check_sees_a_planted_import(tmp_path) -> None:
              "sharding/fsdp.py": "from checkpointing.plan import BlockPlan\n",
              "trainer/loop.py": "def g():\n    from launch.bench import plain\n",
              "launch/gpu_bench.py": "from launch.bench.plain import main\n"}
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _plant(tmp_path, files)
     assert sorted(room_violations(tmp_path)) == [
         "checkpointing/head.py:1 imports checkpointing.planner",
         "checkpointing/wrap.py:2 imports checkpointing.planner.search",
@@ -278,9 +283,7 @@ def test_the_package_check_sees_an_arrow_back(tmp_path) -> None:
              "trainer/state/resume.py": "if TYPE_CHECKING:\n    from trainer.observe import x\n",
              "trainer/models/llama.py": "from trainer.config import Config\n",
              "trainer/config.py": "Y = 2\n"}
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _plant(tmp_path, files)
     paths = sorted(tmp_path.rglob("*.py"))
     known = {".".join(p.relative_to(tmp_path).with_suffix("").parts) for p in paths}
     graph = {".".join(p.relative_to(tmp_path).with_suffix("").parts):

@@ -54,7 +54,8 @@ def _step(model, tokens, targets, chunk, rows) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _tiled_nodes(root) -> int:
+def _tiled_nodes(root, node_name: str = "_TiledBackward") -> int:
+    """How many backward nodes named `node_name` the graph under `root` holds."""
     seen, stack = set(), [root]
     while stack:
         node = stack.pop()
@@ -62,7 +63,7 @@ def _tiled_nodes(root) -> int:
             continue
         seen.add(node)
         stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return sum(type(node).__name__ == "_TiledBackward" for node in seen)
+    return sum(type(node).__name__ == node_name for node in seen)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

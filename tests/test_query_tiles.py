@@ -16,7 +16,7 @@ from checkpointing.planner.metatrace import profile_on_meta
 from checkpointing.query_tiles import lower_right_attention, query_tiled
 from checkpointing.tiles import tile_sizes
 from checkpointing.wrap import checkpoint_block, resolve_ops
-from tests.test_block_tiles import _pair as tiled_pair
+from tests.test_block_tiles import _pair as tiled_pair, _tiled_nodes as backward_nodes
 from trainer.models.llama import LlamaArgs, build_llama, lm_loss
 from trainer.models.qwen3 import build_qwen3
 from trainer.models.rope import rope_cos_sin
@@ -66,14 +66,7 @@ def _pair(tiles: int, model: str):
 
 
 def _query_tile_nodes(root) -> int:
-    seen, stack = set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return sum(type(node).__name__ == "_QueryTiledBackward" for node in seen)
+    return backward_nodes(root, "_QueryTiledBackward")
 
 
 def _grads(model, tokens, positions=None) -> tuple[torch.Tensor, dict, int]:
