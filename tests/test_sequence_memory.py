@@ -6,6 +6,8 @@ comparison would fail without the modelling."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -159,6 +161,11 @@ def _exchange_live_bytes(rank: int, world_size: int) -> tuple[int, int]:
     with LiveTensorBytes([x]) as live:
         received = sequence_to_heads(x, dist.group.WORLD)  # an AsyncCollectiveTensor
         doubled = received * 2
+        # gloo's worker thread lets go of the send buffer just after the result is ready: under
+        # load that can be after `doubled` exists, so wait (10 s at most) for it to be gone.
+        deadline = time.monotonic() + 10
+        while live.current() > 3 * x.nbytes and time.monotonic() < deadline:
+            time.sleep(0.01)
         counted = live.current()
     assert type(received).__name__ == "AsyncCollectiveTensor"
     del doubled
