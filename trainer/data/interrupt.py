@@ -9,8 +9,10 @@ process at once with a line (trainer/__main__.py): nothing is being written then
 
 With data.num_proc > 1, `datasets` forks workers (and a manager process) inside the block. They
 leave stopping to this process, which ends the pool on its way out: forked there, they ignore
-the stop signals a whole process group receives (Ctrl-C, Slurm's) and die by SIGTERM, which is
-how the pool ends them. Stopping while the pool works, `datasets`' own clean-up raises (a
+the stop signals a whole process group receives (Ctrl-C, Slurm's) and end by SIGTERM, which is
+how the pool ends them; they unwind to end (a worker killed outright while it waits for a task
+takes the queue's lock with it, and the pool's clean-up then hangs the group: SIGTERM to the
+whole group did). Stopping while the pool works, `datasets`' own clean-up raises (a
 TimeoutError waiting for results that will not come) over our stop: the stop is found in the
 exception's context, so it is still the line and the status.
 """
@@ -51,13 +53,22 @@ class _Stopped(BaseException):
 _preparing = False  # inside stop_signals' block: a process forked now is a worker of ours
 
 
+def _worker_ends(signum, frame) -> None:
+    """A worker's SIGTERM: unwind and exit. Unwinding releases the locks it holds: an idle pool
+    worker holds its task queue's read lock while it waits, and one killed outright takes that
+    lock with it, so the pool's own clean-up in the parent (which takes the lock) waits forever.
+    Once: the pool's SIGTERM after the group's waits for this unwinding."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def _quiet_worker() -> None:
     """In a process forked inside the block: stopping is the parent's to do."""
     if not _preparing:
         return
     try:
         for number in STOPS:
-            signal.signal(number, signal.SIG_DFL if number == signal.SIGTERM else signal.SIG_IGN)
+            signal.signal(number, _worker_ends if number == signal.SIGTERM else signal.SIG_IGN)
     except ValueError:  # not this interpreter's main thread: leave it as it is
         pass
 
