@@ -134,6 +134,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--texts", type=int, default=4000)
     parser.add_argument("--vocab", type=int, default=32000, help="each tokenizer's ids")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", default=",".join((*TEMPLATES, "text")),
+                        help="the data to run, comma-separated (chatml,llama3,mistral,text)")
     parser.add_argument("--before", type=int, default=100,
                         help="conversations the per-conversation way prepares")
     args = parser.parse_args(argv)
@@ -144,7 +146,7 @@ def main(argv=None) -> dict:
     rows = _rows(args)
     tokenizers = {name: _tokenizer(root, "chatml" if name == "text" else name, args.vocab,
                                    rows["chatml" if name == "text" else name])
-                  for name in (*TEMPLATES, "text")}
+                  for name in args.only.split(",")}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at the start; best of {args.repeats}; "
           f"{args.chats:,} generated conversations, {args.texts:,} texts; "
