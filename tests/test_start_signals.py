@@ -288,3 +288,28 @@ def _one_waits(children: list[int]) -> bool:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         states.append((fields["State"].split()[0], int(fields["Threads"])))
     return len(children) >= 3 and ("S", 1) in states and any(s == "R" for s, _ in states)
+
+
+def test_a_stop_ends_the_processes_the_preparation_started() -> None:
+    """`datasets`' manager process, started in a generator the stop leaves open (the signal
+    came while the caller handled a result): it outlived the preparation, a child the exit
+    waits for. In this process: the stop is a real SIGUSR1 to it."""
+    import multiprocess
+
+    from trainer.data.interrupt import PrepareStopped, stop_signals
+
+    def results():
+        with multiprocess.Manager() as manager:
+            yield manager.Queue()
+
+    before = set(multiprocess.active_children())
+    with pytest.raises(PrepareStopped, match="stopped by SIGUSR1 while tokenizing here"):
+        with stop_signals("here"):
+            opened = results()
+            next(opened)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(SLOW)
+    try:
+        assert set(multiprocess.active_children()) == before
+    finally:
+        opened.close()
