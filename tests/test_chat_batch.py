@@ -96,6 +96,24 @@ def test_the_cache_is_the_same_bytes_whatever_num_proc(tmp_path, kind) -> None:
     assert meta[0] == meta[1] and meta[0]["documents"] == 700
 
 
+def test_preparing_again_leaves_no_copy_of_the_data_behind(tmp_path, monkeypatch) -> None:
+    """Each preparation's map wrote the tokenized documents (and filter's and select's indices)
+    into `datasets`' own cache, beside its copy of the records, and never removed them: the
+    disk filled a copy of the data per preparation. Only the records' copy may stay there
+    (`datasets` reads it again for the same files)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    tokenizer = str(make_tokenizer(tmp_path / "tok"))
+    path = write_jsonl(tmp_path / "d.jsonl", chat_records(300, seed=4))
+    hf = []
+    for name, num_proc in (("one", 1), ("two", 2), ("three", 1)):
+        _prepare(tmp_path, name, path, tokenizer, "chat", num_proc)
+        hf.append(sorted(p for p in (tmp_path / "hf").rglob("*") if p.is_file()))
+        assert not list((tmp_path / name).rglob("*.arrow")), name
+    assert hf[0] == hf[1] == hf[2], [p for p in hf[-1] if p not in hf[0]]
+
+
 @pytest.mark.parametrize("case", ["jsonl null", "jsonl number", "parquet null",
                                   "parquet numbers"])
 def test_text_that_is_null_or_a_number_is_named_and_skippable(tmp_path, case) -> None:

@@ -8,6 +8,7 @@ it), the line that says tokenizing began, the workers started. Data: 40 tiny con
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -81,9 +82,11 @@ def _data(tmp_path: Path, template: str | None = None,
     return overrides, tmp_path / "cache" / f"{key}.lock"
 
 
-def _start(tmp_path: Path, overrides: list[str], nproc: int = 1) -> subprocess.Popen:
+def _start(tmp_path: Path, overrides: list[str], nproc: int = 1,
+           start_new_session: bool = False) -> subprocess.Popen:
     extra = {"torchrun_args": ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"],
-             "launcher": "launch.run", "start_new_session": True} if nproc > 1 else {}
+             "launcher": "launch.run"} if nproc > 1 else {}
+    extra["start_new_session"] = start_new_session or nproc > 1
     return start_trainer([*QUICK, *overrides, "train.steps=3",
                           f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, nproc=nproc,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, **extra)
@@ -153,11 +156,15 @@ def test_sigusr1_while_the_map_workers_run_is_one_line_and_75(tmp_path) -> None:
     run.send_signal(signal.SIGUSR1)
     status, lines = _ended(run)
     assert status == 75 and lines[-1].startswith("stopped by SIGUSR1 while tokenizing"), lines
+    _gone(workers)
+    _no_temp_folder(tmp_path)
+
+
+def _gone(workers: list[int]) -> None:
     deadline = time.monotonic() + 10  # an orphaned worker is reaped by init, a moment later
     while [pid for pid in workers if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], workers
-    _no_temp_folder(tmp_path)
 
 
 def _workers(agent: subprocess.Popen) -> list[int]:
@@ -246,3 +253,63 @@ def test_ctrl_c_is_handled_until_the_process_is_gone(tmp_path) -> None:
                 uncaught.append(seen)
         time.sleep(0.005)
     assert child.wait() == 0 and seen > 10 and not uncaught, (seen, uncaught)
+
+
+def test_sigterm_to_the_trainer_and_its_map_workers_together_is_one_line_and_75(tmp_path) -> None:
+    """data.num_proc=2: SIGTERM to the whole process group (the trainer, `datasets`' workers
+    and its manager), as a scheduler or a terminal ends a job, while one worker is stuck on a
+    record and the other, its share done, waits for a task. Before: the group hung (the waiting
+    worker died holding the pool's task-queue lock, which the pool's clean-up then waits for)."""
+    overrides, _ = _data(tmp_path, STUCK, num_proc=2)
+    run = _start(tmp_path, overrides, start_new_session=True)
+    try:
+        _until(lambda: _tokenizing(tmp_path) and _one_waits(_workers(run)), run,
+               "a map worker waiting for a task")
+        workers = _workers(run)
+        os.killpg(run.pid, signal.SIGTERM)
+        status, lines = _ended(run)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)  # what a hang left
+    assert status == 75 and lines[-1].startswith("stopped by SIGTERM while tokenizing"), lines
+    _gone(workers)
+    _no_temp_folder(tmp_path)
+
+
+def _one_waits(children: list[int]) -> bool:
+    """Whether the pool's two workers and the manager run, one worker asleep (waiting for a
+    task: one thread, the manager has several) and one running (stuck on its record)."""
+    states = []
+    for pid in children:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        states.append((fields["State"].split()[0], int(fields["Threads"])))
+    return len(children) >= 3 and ("S", 1) in states and any(s == "R" for s, _ in states)
+
+
+def test_a_stop_ends_the_processes_the_preparation_started() -> None:
+    """`datasets`' manager process, started in a generator the stop leaves open (the signal
+    came while the caller handled a result): it outlived the preparation, a child the exit
+    waits for. In this process: the stop is a real SIGUSR1 to it."""
+    import multiprocess
+
+    from trainer.data.interrupt import PrepareStopped, stop_signals
+
+    def results():
+        with multiprocess.Manager() as manager:
+            yield manager.Queue()
+
+    before = set(multiprocess.active_children())
+    with pytest.raises(PrepareStopped, match="stopped by SIGUSR1 while tokenizing here"):
+        with stop_signals("here"):
+            opened = results()
+            next(opened)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(SLOW)
+    try:
+        assert set(multiprocess.active_children()) == before
+    finally:
+        opened.close()

@@ -122,8 +122,9 @@ def chat_batch(tokenizer, conversations: Sequence[list], train_on: str,
     prompts = _prompts(tokenizer, [conversations[i] for i in good], [texts[i] for i in good])
     specials = special_ids(tokenizer)
     for n, i in enumerate(good):
+        # (begin, end) pairs as the tokenizer gives them: only read by index and unpacking
         shown = Rendered(texts[i], list(encoded["input_ids"][n]),
-                         [tuple(o) for o in encoded["offset_mapping"][n]], specials)
+                         list(encoded["offset_mapping"][n]), specials)
         results[i] = _from_offsets(tokenizer, conversations[i], shown, train_on, wheres[i],
                                    prompts[n])
     return results

@@ -18,7 +18,9 @@ own assistant masks do.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 
@@ -33,6 +35,25 @@ class Rendered:
     ids: list[int]
     offsets: Optional[list[tuple[int, int]]]  # None: a tokenizer without offsets (not fast)
     specials: frozenset[int]
+
+    @cached_property
+    def _columns(self) -> tuple[list[int], list[int]]:
+        begins, ends = zip(*self.offsets) if self.offsets else ((), ())
+        return list(begins), list(ends)
+
+    @property
+    def begins(self) -> list[int]:
+        return self._columns[0]
+
+    @property
+    def ends(self) -> list[int]:
+        return self._columns[1]
+
+    @cached_property
+    def in_order(self) -> bool:
+        """Whether the tokens' begins and ends never go back (as a fast tokenizer's offsets
+        do): then a turn's first and last tokens are found by bisection, not a scan."""
+        return self.begins == sorted(self.begins) and self.ends == sorted(self.ends)
 
 
 def special_ids(tokenizer) -> frozenset[int]:
@@ -70,7 +91,11 @@ def turn_start(shown: Rendered, place: tuple[int, int]) -> int:
     """The first token of a turn whose content is at `place`: the one holding its first
     character (the token at its place, for an empty content)."""
     if place[1] > place[0]:
+        if shown.in_order and bisect_right(shown.ends, place[0]) < len(shown.ids):
+            return bisect_right(shown.ends, place[0])
         return next(j for j, (_, end) in enumerate(shown.offsets) if end > place[0])
+    if shown.in_order:
+        return bisect_left(shown.begins, place[0])
     return next((j for j, (begin, _) in enumerate(shown.offsets) if begin >= place[0]),
                 len(shown.ids))
 
@@ -79,6 +104,13 @@ def turn_end(shown: Rendered, start: int, content_end: int, bound: int) -> tuple
     """(token, character) just past a turn whose content ends at `content_end`: past its end
     marker, the first special token after the content that begins before `bound` (the next
     assistant turn); with none, past the token holding the content's last character."""
+    if shown.in_order:  # the tokens before the content's end, then those up to `bound`
+        last = min(bisect_left(shown.begins, content_end, lo=start),
+                   bisect_left(shown.begins, bound, lo=start))
+        for j in range(last, bisect_left(shown.begins, bound, lo=last)):
+            if shown.ids[j] in shown.specials:
+                return j + 1, shown.ends[j]
+        return last, (shown.ends[last - 1] if last > start else content_end)
     last = start
     for j in range(start, len(shown.ids)):
         begin, end = shown.offsets[j]
@@ -127,7 +159,7 @@ def _spelled_out(shown: Rendered, start: int, end: int, begin: int, stop: int,
         return False
     if unk is not None and unk in shown.ids[start:end]:
         return False
-    return all(offsets[j][0] == offsets[j - 1][1] for j in range(start + 1, end))
+    return shown.begins[start + 1:end] == shown.ends[start:end - 1]
 
 
 def _same_text(tokenizer, decoded: str, rendered: str) -> bool:

@@ -9,10 +9,12 @@ process at once with a line (trainer/__main__.py): nothing is being written then
 
 With data.num_proc > 1, `datasets` forks workers (and a manager process) inside the block. They
 leave stopping to this process, which ends the pool on its way out: forked there, they ignore
-the stop signals a whole process group receives (Ctrl-C, Slurm's) and die by SIGTERM, which is
-how the pool ends them. Stopping while the pool works, `datasets`' own clean-up raises (a
+the stop signals, each in a process group of its own (a signal to the whole group reaches this
+process alone: see _quiet_worker), and end by SIGTERM, which is how the pool ends them. Stopping while the pool works, `datasets`' own clean-up raises (a
 TimeoutError waiting for results that will not come) over our stop: the stop is found in the
-exception's context, so it is still the line and the status.
+exception's context, so it is still the line and the status. What the block started and is
+still running when it ends (the manager, when the stop came while `datasets` handled a result
+outside the generator that shuts it down) is ended there: the exit would wait for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from typing import Iterator, Optional
 
@@ -52,10 +55,16 @@ _preparing = False  # inside stop_signals' block: a process forked now is a work
 
 
 def _quiet_worker() -> None:
-    """In a process forked inside the block: stopping is the parent's to do."""
+    """In a process forked inside the block: stopping is the parent's to do. It leaves the
+    parent's process group, so a signal to the whole group (a scheduler's, a terminal's) reaches
+    the parent alone, which ends its workers the pool's own way (SIGTERM, after the idle ones
+    took their sentinel). Killed with the group, an idle worker took the pool's task-queue lock
+    with it and the pool's clean-up waited for it forever; and the pool forked replacements of
+    the dead that then waited for the lock too."""
     if not _preparing:
         return
     try:
+        os.setpgid(0, 0)
         for number in STOPS:
             signal.signal(number, signal.SIG_DFL if number == signal.SIGTERM else signal.SIG_IGN)
     except ValueError:  # not this interpreter's main thread: leave it as it is
@@ -63,6 +72,31 @@ def _quiet_worker() -> None:
 
 
 os.register_at_fork(after_in_child=_quiet_worker)
+
+
+def _children() -> set:
+    """The live processes this one started with multiprocess (`datasets`' pool and manager)
+    or multiprocessing."""
+    found = set()
+    for name in ("multiprocess", "multiprocessing"):
+        module = sys.modules.get(name)
+        if module is not None:
+            found.update(module.active_children())
+    return found
+
+
+def _end_new(children: set) -> None:
+    """End what the block started that outlived it. Stopped while `datasets` handles a result,
+    its manager (a child the exit waits for) is left running: the generator that would shut it
+    down is not closed on the way out."""
+    left = [child for child in _children() if child not in children]
+    for child in left:
+        child.terminate()
+    for child in left:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def _stop_in(exc: Optional[BaseException]) -> Optional[int]:
@@ -85,7 +119,16 @@ def stop_signals(path: str) -> Iterator[None]:
     `path`."""
     main = threading.current_thread() is threading.main_thread()
 
+    owner = os.getpid()
+
     def stopped(signum, frame) -> None:
+        if os.getpid() != owner:
+            # A worker just forked, before _quiet_worker set its own handlers: a signal this
+            # process had not yet handled when the pool forked it from another thread, or the
+            # pool's SIGTERM. It holds nothing yet: gone at once (raised, the fork hook drops
+            # the exception and the worker waits forever for the pool's task-queue lock, which
+            # the pool's clean-up holds).
+            os._exit(128 + signum)
         raise _Stopped(signum)
 
     numbers = [n for n in STOPS if signal.getsignal(n) is not signal.SIG_IGN]
@@ -94,6 +137,7 @@ def stop_signals(path: str) -> Iterator[None]:
             "start the same run again to tokenize it")
     global _preparing
     was, _preparing = _preparing, True
+    children = _children()
     try:
         yield
     except BaseException as exc:
@@ -106,6 +150,7 @@ def stop_signals(path: str) -> Iterator[None]:
         raise PrepareStopped(f"interrupted {tail}", INTERRUPTED_EXIT) from None
     finally:
         _preparing = was
+        _end_new(children)
         for number, handler in previous.items():
             # None: a handler set outside Python, which Python cannot put back; ours (the
             # entry point's) is what was there when this process is the trainer.

@@ -113,12 +113,14 @@ def _problem(exc: Exception, where: str, settings: DocSettings) -> str:
 
 
 def tokenize(records, tokenizer, settings: DocSettings, progress: Optional[_Progress],
-             path: str, num_proc: int = 1):
+             path: str, num_proc: int = 1, arrow: Optional[str] = None):
     """The records as documents: `ids`, `sup` (supervised per token), `length` and `bad`
     ([where, why] of a bad record skipped with data.skip_bad_records, which comes out empty)
     columns; `path` names a bad record's source. With `num_proc` > 1, `datasets` runs the
     batches in that many processes (its own progress bar then) and joins their outputs in
-    the records' order, so the result is the same whatever `num_proc`."""
+    the records' order, so the result is the same whatever `num_proc`. `arrow`: the file the
+    documents are written to (a worker's share: with a suffix), and where what `datasets`
+    derives from them (filter, select) goes too; else beside the records, in its own cache."""
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     encode = (_text_batch(tokenizer, settings, eos, path) if settings.kind == "text"
               else _chat_batch(tokenizer, settings, path))
@@ -134,7 +136,8 @@ def tokenize(records, tokenizer, settings: DocSettings, progress: Optional[_Prog
     return records.map(encode_and_count, batched=True, batch_size=BATCH, with_indices=True,
                        remove_columns=records.column_names, load_from_cache_file=False,
                        keep_in_memory=False, num_proc=procs if procs > 1 else None,
-                       desc="tokenizing", new_fingerprint=_fingerprint(records, settings))
+                       desc="tokenizing", new_fingerprint=_fingerprint(records, settings),
+                       cache_file_name=arrow)
 
 
 def _fingerprint(records, settings: DocSettings) -> str:
@@ -172,9 +175,10 @@ def _nothing_usable(where: str, key: str, split: str, total: int, why: dict,
 
 
 def _tokenized_split(where: str, key: str, tokenizer, settings: DocSettings, clean: str,
-                     bad: BadRecords, num_proc: int):
-    """One split's records, checked (trainer/data/records.py) and tokenized, and how many of
-    them were bad records skipped (they come out empty; bad lines never became records)."""
+                     bad: BadRecords, num_proc: int, arrow: str):
+    """One split's records, checked (trainer/data/records.py) and tokenized into `arrow`, and
+    how many of them were bad records skipped (they come out empty; bad lines never became
+    records)."""
     files = None if is_saved_dataset(where) else data_files(where)
     if files:
         files = checked_files(files, key, settings.skip_bad_records, clean, bad)
@@ -184,7 +188,7 @@ def _tokenized_split(where: str, key: str, tokenizer, settings: DocSettings, cle
     progress = _Progress(len(records)) if num_proc <= 1 else None
     try:
         with _datasets_bar(progress is None):
-            docs = tokenize(records, tokenizer, settings, progress, where, num_proc)
+            docs = tokenize(records, tokenizer, settings, progress, where, num_proc, arrow)
     except UnicodeDecodeError as exc:
         raise DataError(f"{key}: {where} is not UTF-8 text ({exc.reason} at byte "
                         f"{exc.start})") from None
@@ -223,9 +227,13 @@ def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
         places["val"] = (val_path, "data.val_path")
     docs, raw, why, bad = {}, 0, {}, BadRecords()
     clean = os.path.join(work, "clean")  # good lines of jsonl files with bad ones, if skipping
+    # The tokenized documents (and what `datasets` derives from them) until packed: here, not
+    # in `datasets`' own cache, where each preparation left a copy of the data for good.
+    arrows = os.path.join(work, "arrow")
+    os.makedirs(arrows, exist_ok=True)
     for split, (where, key) in places.items():
         tokenized, bad_here = _tokenized_split(where, key, tokenizer, settings, clean, bad,
-                                               num_proc)
+                                               num_proc, os.path.join(arrows, f"{split}.arrow"))
         raw += len(tokenized)
         docs[split], why[split] = _usable(tokenized, settings, bad_here)
         if len(docs[split]) == 0:
@@ -243,7 +251,9 @@ def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
     for split in ("train", "val"):
         meta[split] = pack_split(os.path.join(work, split), docs[split], settings.seq_len, pad,
                                  settings, places.get(split, places["train"])[1])
+    del docs, tokenized  # memory-mapped from `arrows`
     shutil.rmtree(clean, ignore_errors=True)
+    shutil.rmtree(arrows, ignore_errors=True)
     meta["seconds"] = time.perf_counter() - started
     return meta
 
