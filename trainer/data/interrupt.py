@@ -71,7 +71,8 @@ def _quiet_worker() -> None:
         pass
 
 
-os.register_at_fork(after_in_child=_quiet_worker)
+os.register_at_fork(before=lambda: _fork_begins(), after_in_child=_quiet_worker,
+                    after_in_parent=lambda: _fork_ends())
 
 
 def _children() -> set:
@@ -97,6 +98,26 @@ def _end_new(children: set) -> None:
         if child.is_alive():
             child.kill()
             child.join()
+
+
+_forking = False  # the main thread is in os.fork's hooks, where a raised exception is dropped
+_deferred: list = []  # stops that came meanwhile
+
+
+def _fork_begins() -> None:
+    global _forking
+    _forking = _preparing and threading.current_thread() is threading.main_thread()
+
+
+def _fork_ends() -> None:
+    """In the parent, after the other hooks (logging's): a stop that came while forking is sent
+    again once the hooks are over (raised in one, the exception was dropped and the stop lost:
+    the preparation then waited for the stuck work forever)."""
+    global _forking
+    _forking = False
+    if _deferred:
+        threading.Timer(0.05, os.kill, (os.getpid(), _deferred.pop())).start()
+        _deferred.clear()
 
 
 def _stop_in(exc: Optional[BaseException]) -> Optional[int]:
@@ -129,6 +150,9 @@ def stop_signals(path: str) -> Iterator[None]:
             # the exception and the worker waits forever for the pool's task-queue lock, which
             # the pool's clean-up holds).
             os._exit(128 + signum)
+        if _forking:
+            _deferred.append(signum)
+            return
         raise _Stopped(signum)
 
     numbers = [n for n in STOPS if signal.getsignal(n) is not signal.SIG_IGN]
