@@ -1,7 +1,7 @@
 """Moving bytes between the compute device and host memory without stalling compute.
 
-- `PinnedPool`: page-locked host buffers in power-of-two size classes, allocated on first need and
-  reused every step after, never more than `max_bytes` in all.
+- `PinnedPool`: page-locked host buffers of the sizes asked for (to a page), allocated on first need
+  and reused every step after, never more than `max_bytes` in all.
 - `CudaCopier`: copies on side streams, ordered against the compute stream by events.
 - `HoldUntil`: defers callbacks (a pinned buffer's return to its pool) until an event completed.
 
@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
-# Smallest class: below this, classes would only multiply buffers without saving memory.
-MIN_CLASS_BYTES = 4096
+# Pinning works on whole pages: a buffer's size class is its size rounded up to one.
+PAGE_BYTES = 4096
 
 
 class Event(Protocol):
@@ -47,6 +47,7 @@ class Copier(Protocol):
 
     device: torch.device
 
+    # Page-locked host memory of nbytes (to a page), kept until the copier is closed.
     def allocate_host(self, nbytes: int) -> Tensor: ...
     def current_stream(self) -> Any: ...
     def ready_event(self) -> Optional[Event]: ...
@@ -70,9 +71,30 @@ class CudaCopier:
         self._to_host_stream = torch.cuda.Stream(device)
         self._to_device_stream = torch.cuda.Stream(device)
         self._delay = delay
+        self._registered: list[Tensor] = []  # pinned host buffers, unpinned by close()
 
     def allocate_host(self, nbytes: int) -> Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        """nbytes of page-locked memory, pinned as asked: torch's pinned allocator
+        (pin_memory=True) would round every request up to a power of two and cache it, so a 5 GiB
+        buffer would pin 8 GiB. Ordinary memory is pinned here page by page (cudaHostRegister)
+        instead; the buffer stays registered, and alive, until close()."""
+        buffer = page_aligned(nbytes)
+        size = buffer.numel()
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(buffer.data_ptr(), size, 0)
+        if error != cudart.cudaError.success:
+            raise RuntimeError(f"offload: pinning {size} bytes of host memory failed ({error})")
+        self._registered.append(buffer)
+        return buffer[:nbytes]
+
+    def close(self) -> None:
+        """Unpin every host buffer, once no copy can still use them."""
+        for stream in (self._to_host_stream, self._to_device_stream):
+            stream.synchronize()
+        cudart = torch.cuda.cudart()
+        for buffer in self._registered:
+            cudart.cudaHostUnregister(buffer.data_ptr())
+        self._registered.clear()
 
     def current_stream(self) -> torch.cuda.Stream:
         # Looked up at every use: autograd runs backward nodes on the stream of their forward op,
@@ -167,13 +189,23 @@ class HoldUntil:
 
 
 def size_class(nbytes: int) -> int:
-    """The power of two >= nbytes. torch's pinned-memory allocator rounds requests the same way,
-    so the pool's count of bytes is what is really pinned."""
-    return max(MIN_CLASS_BYTES, 1 << max(0, nbytes - 1).bit_length())
+    """The pool's buffer for nbytes: nbytes rounded up to a page, what pinning really locks.
+    Blocks of one model save the same sizes every step, so exact classes are reused as well as
+    power-of-two ones would be, without pinning up to twice the bytes."""
+    return max(PAGE_BYTES, -(-nbytes // PAGE_BYTES) * PAGE_BYTES)
+
+
+def page_aligned(nbytes: int) -> Tensor:
+    """Ordinary host memory of size_class(nbytes) bytes starting on a page boundary, so that
+    pinning it locks exactly its own pages (the one spare page of the backing stays pageable)."""
+    size = size_class(nbytes)
+    backing = torch.empty(size + PAGE_BYTES, dtype=torch.uint8)
+    start = -backing.data_ptr() % PAGE_BYTES
+    return backing[start:start + size]
 
 
 class HostSlot:
-    """A pool buffer lent out; `buffer` is uint8 of the slot's size class."""
+    """A pool buffer lent out; `buffer` is uint8 of at least the size asked for."""
 
     __slots__ = ("buffer", "size")
 
@@ -182,12 +214,15 @@ class HostSlot:
 
 
 class PinnedPool:
-    """Host buffers in power-of-two size classes, bounded by max_bytes in all.
+    """Host buffers in size classes of the exact sizes asked for (to a page), bounded by
+    max_bytes in all.
 
     Buffers are allocated on first need and then reused: in steady state (the same shapes every
-    step) no allocation happens after the first step. Nothing is freed to make room for another
-    class: torch's pinned allocator would keep the freed block cached (still pinned), so the bound
-    would only hold on paper. When a class has no free buffer and the bound is reached, `acquire`
+    step) no allocation happens after the first step, and a class holds as many buffers as the
+    step had storages of that size in flight at once (the planner counts exactly these:
+    trainer/preflight/host_memory.py). Nothing is freed to make room for another
+    class: unpinning and pinning again costs more than the copies it serves, and a freed block
+    would have to wait for every copy into it. When a class has no free buffer and the bound is reached, `acquire`
     returns None and the caller decides (keep on the device, or wait for a release).
     """
 

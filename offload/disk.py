@@ -73,6 +73,7 @@ class DiskStore:
                  side_stream_delay: Optional[Callable[[], None]] = None,
                  before_write: Optional[Callable[[], None]] = None) -> None:
         self.device = resolve_device(device)
+        self._owns_copier = copier is None  # a CUDA copier made here is closed here
         if copier is None and self.device.type == "cuda":
             copier = CudaCopier(self.device, side_stream_delay)
         self._copier = copier
@@ -204,6 +205,8 @@ class DiskStore:
             self._reader.join(timeout=60)
             shutil.rmtree(self.folder, ignore_errors=True)
             os.close(self._held)
+            if self._owns_copier and isinstance(self._copier, CudaCopier):
+                self._copier.close()  # unpins the staging buffers
 
     def __enter__(self) -> "DiskStore":
         return self

@@ -52,6 +52,7 @@ class CpuStore:
                  side_stream_delay: Optional[Callable[[], None]] = None,
                  logger: Optional[logging.Logger] = None) -> None:
         self.device = resolve_device(device)
+        self._owns_copier = copier is None  # a CUDA copier made here is closed here
         if copier is None and self.device.type == "cuda":
             copier = CudaCopier(self.device, side_stream_delay)
         elif copier is None and self.device.type != "cpu":
@@ -131,6 +132,8 @@ class CpuStore:
 
     def close(self) -> None:
         self._holds.drain()
+        if self._owns_copier and isinstance(self._copier, CudaCopier):
+            self._copier.close()  # unpins the pool's buffers
 
     def _restore(self, ticket: _HostTicket) -> None:
         stream = self._copier.current_stream()

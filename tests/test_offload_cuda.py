@@ -127,9 +127,9 @@ class InlineCopier:
         pass
 
 
-def test_size_classes_and_pool_bound() -> None:
-    assert [size_class(n) for n in (1, 4096, 4097, 5000, 1 << 20)] == [4096, 4096, 8192, 8192,
-                                                                       1 << 20]
+def test_size_classes_are_the_sizes_asked_for_to_a_page_and_the_pool_is_bounded() -> None:
+    assert [size_class(n) for n in (1, 4096, 4097, 5000, 5 << 30)] == [4096, 4096, 8192, 8192,
+                                                                       5 << 30]
     allocated = []
     pool = PinnedPool(3 * 8192, lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
     a, b, c = pool.acquire(5000), pool.acquire(8000), pool.acquire(100)
@@ -138,6 +138,28 @@ def test_size_classes_and_pool_bound() -> None:
     again = pool.acquire(6000)
     assert again.buffer is a.buffer and allocated == [8192, 8192, 4096]
     assert pool.allocated_bytes == 20480 <= pool.max_bytes and pool.in_use_bytes == 20480
+
+
+def test_pool_of_uniform_block_storages_pins_their_exact_bytes_and_reuses_them() -> None:
+    """Three steps of 4 blocks, each saving storages of 5 GiB + 4 KiB and 12,288 bytes (no power
+    of two): the pool pins their sum (not 8 GiB per big one), all in the first step."""
+    sizes = [(5 << 30) + 4096, 12288] * 4
+    allocated = []
+    pool = PinnedPool(1 << 40, lambda n: allocated.append(n) or n)  # no real memory
+    for _ in range(3):
+        slots = [pool.acquire(n) for n in sizes]  # all out by the forward's end
+        assert [s.size for s in slots] == sizes
+        for slot in reversed(slots):  # back in backward
+            pool.release(slot)
+    assert allocated == sizes and pool.allocated_bytes == sum(sizes) and pool.in_use_bytes == 0
+
+
+def test_host_buffers_start_on_a_page_so_pinning_locks_only_their_own_pages() -> None:
+    from offload.cuda import PAGE_BYTES, page_aligned
+
+    for n in (1, 4096, 10_000, 1 << 20):
+        buffer = page_aligned(n)
+        assert buffer.data_ptr() % PAGE_BYTES == 0 and buffer.numel() == size_class(n) >= n
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "checkpoint"])

@@ -88,6 +88,54 @@ def test_longest_finds_the_last_length_that_fits() -> None:
     assert found.seq_len == 4096 and tried == [1024, 2048, 4096, 8192, 6144, 5120]
 
 
+@pytest.mark.parametrize("shape", ["line", "convex", "steps"])
+def test_the_guided_search_finds_what_bisection_finds_in_fewer_predictions(shape) -> None:
+    """--longest guided by how much of its limit each length uses: the same last fitting length
+    as doubling and bisection from every start, also where use is not a line."""
+    curves = {"line": lambda n: 0.3 + n / 9000, "convex": lambda n: 0.2 + (n / 7000) ** 2,
+              "steps": lambda n: 0.25 + (n // 100) * 100 / 6000}
+
+    def search(start: int, guided: bool) -> tuple[int, int]:
+        calls = []
+
+        def predict(scenario):
+            n = scenario.cfg.data.seq_len // 1024
+            calls.append(n)
+            return curves[shape](n) <= 1.0, n, None
+
+        found = longest(_scenario([*TINY, "model.max_seq_len=67108864",
+                                   f"data.seq_len={start * 1024}"]), predict,
+                        use=(lambda n: curves[shape](n)) if guided else None)
+        return found.seq_len, len(calls)
+
+    plain, plain_calls = search(1, guided=False)
+    assert curves[shape](plain // 1024) <= 1.0 < curves[shape](plain // 1024 + 1)
+    for start in (1, 700, 5000, 9000, 60000):
+        found, calls = search(start, guided=True)
+        assert found == plain, (start, found, plain)
+        assert calls <= plain_calls if shape == "steps" else calls < plain_calls, (start, calls)
+        if shape == "line" and start > 1:  # the crossing, the step past it, one more at most
+            assert calls <= 4 + (start > 9000) * 3, (start, calls)
+
+
+def test_the_guided_search_on_a_tiny_model_finds_the_bisections_length() -> None:
+    evaluator = Evaluator(400)
+    base = [*TINY, "model.max_seq_len=65536", "checkpointing.head=chunked"]
+    peak = lambda n: evaluator.evaluate(_scenario([*base, f"data.seq_len={n * 1024}"])
+                                        ).estimate.peak.total
+    capacity = (peak(11) + peak(12)) // 2
+
+    def predict(scenario):
+        outcome = evaluator.evaluate(scenario)
+        return outcome.estimate.peak.total <= capacity, outcome, None
+
+    use = lambda outcome: outcome.estimate.peak.total / capacity
+    guided = longest(_scenario([*base, "data.seq_len=4096"]), predict, use=use)
+    plain = longest(_scenario(base), predict)
+    assert guided.seq_len == plain.seq_len == 11 * 1024
+    assert len(guided.tried) < len(plain.tried)
+
+
 def test_host_memory_of_offloaded_activations_is_counted_and_checked() -> None:
     outcome = Evaluator(400).evaluate(_scenario(TINY + ["offload=cpu", "offload.keep_last=0",
                                                   "offload.min_bytes=1024"]))

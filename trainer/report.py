@@ -48,7 +48,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "train.host_reserve_gib (default 10%% of it)")
     parser.add_argument("--longest", action="store_true",
                         help="search the longest data.seq_len that fits (the given or auto "
-                             "plan, tiles, sequence degree) and report it")
+                             "plan, tiles, sequence degree) and report it; the search starts "
+                             "at data.seq_len: give a length near the answer")
     parser.add_argument("--longest-step", type=int, default=1024,
                         help="--longest: lengths are multiples of this many tokens (and of "
                              "the sequence degree); fewer lengths to try when larger")
@@ -141,7 +142,12 @@ def predict_longest(scenario, evaluator, capacity: Optional[int], host: Optional
         host_fits = host_verdict(outcome, host, scenario.cfg.train.host_reserve_gib).fits
         return outcome.estimate.peak.total <= capacity and host_fits is not False, outcome, decision
 
-    found = longest(scenario, attempt, step_tokens)
+    def use(outcome) -> float:  # of the binding limit: guides the search (longest.py)
+        v = host_verdict(outcome, host, scenario.cfg.train.host_reserve_gib)
+        return max(outcome.estimate.peak.total / capacity,
+                   v.per_node / v.usable if v.usable else 0.0)
+
+    found = longest(scenario, attempt, step_tokens, use)
     return found.outcome, found.decision, found.tried
 
 

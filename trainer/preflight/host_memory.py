@@ -3,9 +3,10 @@
 A rank pins host memory for two things the planner knows:
 - offloaded activations (offload=cpu on a GPU): every saved storage of at least
   offload.min_bytes of an offloaded block waits in the pinned pool between forward and backward.
-  The pool (offload/cuda.py's PinnedPool) lends buffers in power-of-two size classes, as torch's
-  pinned allocator rounds them, so a storage of 5 GiB pins 8 GiB: the sum of the *classes* is
-  what the node loses, never more than the pool's bound offload.max_host_bytes;
+  The pool (offload/cuda.py's PinnedPool) pins each buffer at the size asked for, rounded up to a
+  page (it pins ordinary memory itself: torch's pinned allocator would round to a power of two,
+  a storage of 5 GiB pinning 8 GiB): the sum of these *classes* is what the node loses, never
+  more than the pool's bound offload.max_host_bytes;
 - sharding.cpu_offload: the sharded parameters, gradients and optimizer state.
 
 The node also runs its OS, one process per rank (CUDA context, Python, the data loader), the page
@@ -99,8 +100,8 @@ def host_lines(v: HostVerdict) -> list[str]:
     if not v.per_node:
         return []
     what = (f"{v.per_node / GIB:.2f} GiB pinned per node ({v.per_rank / GIB:.2f} per rank: "
-            f"offloaded activations {v.activations / GIB:.2f} GiB in the pool's power-of-two "
-            f"classes, {v.exact_activations / GIB:.2f} GiB exact"
+            f"offloaded activations {v.activations / GIB:.2f} GiB as the pool pins them (to a "
+            f"page), {v.exact_activations / GIB:.2f} GiB exact"
             + (f", sharding.cpu_offload state {(v.per_rank - v.activations) / GIB:.2f} GiB"
                if v.per_rank > v.activations else "") + ")")
     if v.host is None:
