@@ -49,7 +49,9 @@ def _step(model, tokens, targets, chunk, rows) -> tuple[torch.Tensor, dict]:
     loss = model(tokens, targets=targets, chunk_tokens=chunk, rows=rows)
     if loss.dim():  # the plain head on all rows: the logits (the final norm tiled there too)
         loss = next_token_loss_sum(loss, targets)
-    model.tiled_calls = _tiled_nodes(loss.grad_fn)
+    # Rotary without a head norm is tiled by its own node (trainer/models/attention_tiles.py).
+    model.tiled_calls = (_tiled_nodes(loss.grad_fn)
+                         + _tiled_nodes(loss.grad_fn, "_RotationBackward"))
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 

@@ -125,7 +125,7 @@ def test_every_step_does_the_same_work_on_every_rank() -> None:
 def test_cuda_kernel_blocks_merge_to_whole_attention() -> None:
     """The CUDA kernel pair the ring uses, over two key blocks in one process: the merged
     output and the gradients from the merged lse equal whole attention."""
-    from sharding.ring import CudaEfficient, _attend, _merge
+    from sharding.ring_kernels import CudaEfficient, attend, merge
 
     q, k, v, grad, _ = (t.cuda() if t is not None else None
                         for t in _inputs(64, 4, 4, packed=False))
@@ -133,8 +133,8 @@ def test_cuda_kernel_blocks_merge_to_whole_attention() -> None:
     out_acc = torch.zeros_like(q)
     lse_acc = torch.full(q.shape[:3], float("-inf"), device="cuda")
     for keys in (slice(0, 32), slice(32, 64)):
-        out, lse = _attend(CudaEfficient, q, k[:, :, keys], v[:, :, keys], None, False, scale)
-        _merge(out_acc, lse_acc, out, lse, slice(0, 64))
+        out, lse = attend(CudaEfficient, q, k[:, :, keys], v[:, :, keys], None, False, scale)
+        merge(out_acc, lse_acc, out, lse, slice(0, 64))
     _close(out_acc, F.scaled_dot_product_attention(q, k, v))
     dq = sum(CudaEfficient.backward(grad, q, k[:, :, s], v[:, :, s], out_acc, lse_acc, False,
                                     None, scale)[0] for s in (slice(0, 32), slice(32, 64)))
