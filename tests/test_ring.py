@@ -141,3 +141,26 @@ def test_cuda_kernel_blocks_merge_to_whole_attention() -> None:
     leaf = q.clone().requires_grad_()
     F.scaled_dot_product_attention(leaf, k, v).backward(grad)
     _close(dq, leaf.grad)
+
+
+def test_the_ring_holds_one_query_heads_temporaries() -> None:
+    """On meta (the memory model's own trace of the ring), 4 query heads on 1 KV head, bf16:
+    forward holds the per-head fp32 output sums (2 q), the K/V block attended and the one
+    arriving (1/2 q each) and one head's output; backward the per-head fp32 dq sums (2 q), the
+    fp32 dK/dV block and the one arriving (1 q each), two K/V blocks and one head's gradients.
+    Repeated K/V, whole-q fp32 merge temporaries or all heads' gradients at once (the ring
+    before: 10 q and 15 q) would each break these bounds."""
+    from checkpointing.planner.metatrace import LiveBytes
+    from sharding.ring import MetaRingExchange
+
+    q, k, v = (torch.empty(1, heads, 1024, 64, device="meta", dtype=torch.bfloat16,
+                           requires_grad=True) for heads in (4, 1, 1))
+    grad = torch.empty_like(q)
+    with LiveBytes() as live:
+        out = ring_attention(q, k, v, MetaRingExchange(4))
+        forward = live.peak
+        live.reset_peak()
+        out.backward(grad)
+        backward = live.peak
+    assert forward <= 3.5 * q.nbytes and backward <= 6.25 * q.nbytes, (forward / q.nbytes,
+                                                                      backward / q.nbytes)
