@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from sharding.ring_kernels import (NEG_INF, attend_heads, attend_heads_backward,
-                                   heads_joined, kernel_for)
+                                   heads_joined, kernel_for, per_head_zeros)
 
 
 # --- the layout -------------------------------------------------------------------------
@@ -229,8 +229,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, exchange, layout: _Layout, scale: float):
         kernel = kernel_for(q.device)
-        out_acc = [torch.zeros((*q.shape[:1], 1, *q.shape[2:]), dtype=torch.float32,
-                               device=q.device) for _ in range(q.shape[1])]
+        out_acc = per_head_zeros(q)
         lse_acc = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
         buffer = _pack(k, v)
         for step in range(exchange.size):
@@ -254,8 +253,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         exchange, layout, scale = ctx.exchange, ctx.layout, ctx.scale
         kernel = kernel_for(q.device)
-        dq_acc = [torch.zeros((*q.shape[:1], 1, *q.shape[2:]), dtype=torch.float32,
-                              device=q.device) for _ in range(q.shape[1])]
+        dq_acc = per_head_zeros(q)
         # dK and dV of the visiting block, packed to travel as one message.
         grads = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
         kv = _pack(k, v)

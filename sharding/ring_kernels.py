@@ -128,6 +128,13 @@ def attend_heads_backward(kernel, grad_out, q, k, v, out, lse, dq_acc: list, dk_
         del dq, dk, dv
 
 
+def per_head_zeros(like: torch.Tensor) -> list:
+    """One fp32 accumulator [B, 1, T, D] per head of `like` [B, H, T, D]."""
+    shape = (like.shape[0], 1, *like.shape[2:])
+    return [torch.zeros(shape, dtype=torch.float32, device=like.device)
+            for _ in range(like.shape[1])]
+
+
 def heads_joined(parts: list, like: torch.Tensor) -> torch.Tensor:
     """[B, H, T, D] in `like`'s dtype from per-head fp32 accumulators, freeing each one as soon
     as it is copied (so the fp32 and the joined copy never both exist whole)."""
