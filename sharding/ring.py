@@ -18,8 +18,9 @@ three shapes and needs no mask at all:
 Packed rows (documents) add a mask from the document ids and positions of both sides.
 
 Which parts are torch's: the attention kernels (the CPU flash kernel here, which returns the
-log-sum-exp; CUDA's flash / efficient kernels), the point-to-point collectives. Ours: the loop,
-the merge and the backward. torch's own context parallelism (`torch.distributed.tensor.
+log-sum-exp; CUDA's efficient kernel; called one query head at a time with the merge in place:
+sharding/ring_kernels.py), the point-to-point collectives. Ours: the loop, the merge and the
+backward. torch's own context parallelism (`torch.distributed.tensor.
 experimental.context_parallel`) runs the same algorithm but only through DTensor dispatch of the
 CUDA SDPA ops with one mask for every step, a module-level options object, and private helpers
 whose signatures change between releases; it cannot take per-step document masks or the CPU
@@ -34,7 +35,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-NEG_INF = float("-inf")
+from sharding.ring_kernels import (NEG_INF, attend_heads, attend_heads_backward,
+                                   heads_joined, kernel_for, per_head_zeros)
 
 
 # --- the layout -------------------------------------------------------------------------
@@ -93,54 +95,6 @@ def gather_ring(x: torch.Tensor, group: Optional[dist.ProcessGroup],
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return balanced_unslice(parts, dim=dim)
-
-
-# --- the kernels ------------------------------------------------------------------------
-
-class CpuFlash:
-    """The CPU flash kernel: returns the log-sum-exp the merge needs; takes an additive mask of
-    the query's dtype. A row whose keys are all masked comes back with lse 0 and a zero output
-    (not -inf): `_attend` marks such rows itself."""
-
-    @staticmethod
-    def forward(q, k, v, causal: bool, mask: Optional[torch.Tensor], scale: float):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-    @staticmethod
-    def backward(grad_out, q, k, v, out, lse, causal: bool, mask: Optional[torch.Tensor],
-                 scale: float):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-
-
-class CudaEfficient:
-    """CUDA's memory-efficient kernel: takes an additive mask (packed rows) and returns the
-    log-sum-exp. Not run here (no GPU); tests/test_ring.py has its CUDA-marked check."""
-
-    @staticmethod
-    def forward(q, k, v, causal: bool, mask: Optional[torch.Tensor], scale: float):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, mask, True, 0.0, causal, scale=scale)
-        return out, lse[..., :q.shape[2]]   # lse is padded to a multiple of 32 rows
-
-    @staticmethod
-    def backward(grad_out, q, k, v, out, lse, causal: bool, mask: Optional[torch.Tensor],
-                 scale: float):
-        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
-        # The kernel reads lse in its forward's padded shape (rows rounded up to 32).
-        pad = -q.shape[2] % 32
-        lse = torch.nn.functional.pad(lse, (0, pad)).contiguous()
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, mask, out, lse, seed, offset, 0.0,
-            (True, True, True, False), causal, scale=scale)
-        return dq, dk, dv
-
-
-def kernel_for(device: torch.device):
-    """CUDA's kernel on CUDA, and on meta (the memory model's trace, which predicts a GPU run:
-    its shapes, and FLOPs torch's counter knows, which it does not for the CPU kernel)."""
-    return CudaEfficient if device.type in ("cuda", "meta") else CpuFlash
 
 
 # --- one step's shape -------------------------------------------------------------------
@@ -227,30 +181,7 @@ class MetaRingExchange:
         return [torch.empty_like(x) for _ in range(self.size)]
 
 
-# --- attention over one block, and the merge --------------------------------------------
-
-def _attend(kernel, q, k, v, mask, causal, scale):
-    """(out, lse) of q against one key block; rows with no visible key get lse -inf."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # the kernels take equal head counts; the ring carries the KV heads only
-        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    out, lse = kernel.forward(q, k, v, causal, mask, scale)
-    if mask is not None:
-        seen = (mask == 0).any(dim=-1)                    # [B, 1, Tq]
-        lse = lse.masked_fill(~seen, NEG_INF)
-    return out, lse
-
-
-def _merge(out_acc, lse_acc, out, lse, rows: slice) -> None:
-    """Fold a block's (out, lse) into the running fp32 result, in place, for `rows`: the
-    softmax over the union of keys. The running lse is finite (step 0 sees each row's own
-    key), so a block's -inf rows weigh exactly 0."""
-    acc, acc_lse = out_acc[:, :, rows], lse_acc[:, :, rows]
-    new = torch.logaddexp(acc_lse, lse.float())
-    out_acc[:, :, rows] = (acc * (acc_lse - new).exp()[..., None]
-                           + out.float() * (lse.float() - new).exp()[..., None])
-    lse_acc[:, :, rows] = new
-
+# --- the masks of one step -----------------------------------------------------------
 
 def _block_mask(layout: "_Layout", source: int, shape: Step, dtype):
     if layout.docs is None:
@@ -291,10 +222,14 @@ def _unpack(buffer: torch.Tensor, *like: torch.Tensor) -> list[torch.Tensor]:
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring's forward and backward (sharding/ring_kernels.py: one query head per kernel
+    call, per-head fp32 accumulators, the merge in place). Two K/V blocks live at a time (the
+    one attended, the one arriving), and in backward two fp32 dK/dV blocks (travelling)."""
+
     @staticmethod
     def forward(ctx, q, k, v, exchange, layout: _Layout, scale: float):
         kernel = kernel_for(q.device)
-        out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out_acc = per_head_zeros(q)
         lse_acc = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
         buffer = _pack(k, v)
         for step in range(exchange.size):
@@ -303,12 +238,12 @@ class _RingAttention(torch.autograd.Function):
             if shape is not None:
                 kk, vv = _unpack(buffer, k, v)
                 mask, causal = _block_mask(layout, source, shape, q.dtype)
-                out, lse = _attend(kernel, q[:, :, shape.queries], kk[:, :, shape.keys],
-                                   vv[:, :, shape.keys], mask, causal, scale)
-                _merge(out_acc, lse_acc, out, lse, shape.queries)
-            if pending is not None:
-                buffer = pending()
-        out = out_acc.to(q.dtype)
+                attend_heads(kernel, q, kk, vv, out_acc, lse_acc, shape.queries, shape.keys,
+                             mask, causal, scale)
+                del kk, vv, mask
+            # The block just attended is dropped here (its send has completed), not later.
+            buffer = pending() if pending is not None else None
+        out = heads_joined(out_acc, q)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.exchange, ctx.layout, ctx.scale = exchange, layout, scale
         return out
@@ -318,45 +253,26 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         exchange, layout, scale = ctx.exchange, ctx.layout, ctx.scale
         kernel = kernel_for(q.device)
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-        kv, grads = _pack(k, v), _pack(dk, dv)
+        dq_acc = per_head_zeros(q)
+        # dK and dV of the visiting block, packed to travel as one message.
+        grads = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
+        kv = _pack(k, v)
         for step in range(exchange.size):
             pending = exchange.start(kv) if step < exchange.size - 1 else None
             source, shape = layout.shape(step)
             if shape is not None:
                 kk, vv = _unpack(kv, k, v)
-                gk, gv = _unpack(grads, dk, dv)
+                gk, gv = _unpack(grads, k, v)
                 mask, causal = _block_mask(layout, source, shape, q.dtype)
-                parts = _attend_backward(kernel, grad_out, q, kk, vv, out, lse, shape, mask,
-                                         causal, scale)
-                dq[:, :, shape.queries] += parts[0]
-                gk[:, :, shape.keys] += parts[1]
-                gv[:, :, shape.keys] += parts[2]
+                attend_heads_backward(kernel, grad_out, q, kk, vv, out, lse, dq_acc, gk, gv,
+                                      shape.queries, shape.keys, mask, causal, scale)
+                del kk, vv, gk, gv, mask
             # The gradients travel with their block and reach its owner after the last step.
             grads = exchange.start(grads)()
-            if pending is not None:
-                kv = pending()
-        dk, dv = _unpack(grads, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def _attend_backward(kernel, grad_out, q, k, v, out, lse, shape: Step, mask, causal, scale):
-    """(dq, dk, dv) of one block, from the merged output and lse (the block's probabilities
-    are exp(scores - merged lse): exact shares of the whole softmax)."""
-    rows = shape.queries
-    kk, vv = k[:, :, shape.keys], v[:, :, shape.keys]
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        kk, vv = (t.repeat_interleave(groups, dim=1) for t in (kk, vv))
-    dq, dk, dv = kernel.backward(grad_out[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
-                                 kk.contiguous(), vv.contiguous(),
-                                 out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
-                                 causal, mask, scale)
-    if groups > 1:  # the repeated heads' gradients sum into their KV head
-        dk, dv = (t.unflatten(1, (-1, groups)).sum(2) for t in (dk, dv))
-    return dq.float(), dk.float(), dv.float()
+            kv = pending() if pending is not None else None
+        dk, dv = (t.to(k.dtype) for t in _unpack(grads, k, v))
+        del grads
+        return heads_joined(dq_acc, q), dk, dv, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,

@@ -78,7 +78,22 @@ def test_rule_reads_the_cpu_flash_backward_shapes() -> None:
         out.sum().backward()
     want = backward_workspace_bytes("flash", 1, 4, 2, 256, 256, 32, "bfloat16")
     assert want > 0 and want in seen and set(seen) <= {0, want}
-    assert workspace_rule("math") is None and workspace_rule(None) is None
+    assert workspace_rule(None) is None  # a CPU run
+    math = workspace_rule("math")  # a GPU's math path keeps T x T itself: nothing added here
+    flash_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    assert math is not None and math(flash_op, (None, q, k)) == 0
+
+
+def test_rule_counts_the_rings_efficient_backward_whatever_the_backend() -> None:
+    """Ring attention calls CUDA's memory-efficient backward itself (sharding/ring_kernels.py):
+    its fp32 dq accumulator and delta count under any GPU backend."""
+    q = torch.empty(1, 1, 512, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 1, 256, 64, device="meta", dtype=torch.bfloat16)
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    want = backward_workspace_bytes("efficient", 1, 1, 1, 512, 256, 64, "bfloat16")
+    assert want == 512 * 4 + 512 * 64 * 4
+    for backend in ("cudnn", "flash", "efficient", "math"):
+        assert workspace_rule(backend)(op, (None, q, k)) == want
 
 
 def _block_inputs(args: LlamaArgs, tokens: int, dtype: torch.dtype):

@@ -49,7 +49,9 @@ def _step(model, tokens, targets, chunk, rows) -> tuple[torch.Tensor, dict]:
     loss = model(tokens, targets=targets, chunk_tokens=chunk, rows=rows)
     if loss.dim():  # the plain head on all rows: the logits (the final norm tiled there too)
         loss = next_token_loss_sum(loss, targets)
-    model.tiled_calls = _tiled_nodes(loss.grad_fn)
+    # Rotary without a head norm is tiled by its own node (trainer/models/attention_tiles.py).
+    model.tiled_calls = (_tiled_nodes(loss.grad_fn)
+                         + _tiled_nodes(loss.grad_fn, "_RotationBackward"))
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -128,3 +130,34 @@ def test_a_tiled_block_holds_fewer_token_tensors() -> None:
     # Untiled, the block's backward holds the MLP's [tokens, 128] intermediates and the norms'
     # and projections' [tokens, 64] ones at once; 8 tiles hold one tile's of each.
     assert tiled < 0.6 * untiled, (tiled, untiled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_tiled_rotary_keeps_nothing_and_is_autograds_rotation_bit_for_bit(dtype, packed) -> None:
+    """Rotary in tiles without a head norm (trainer/models/attention_tiles.py's _Rotation):
+    nothing saved for backward (a view of the q/k/v projection would keep all of it), and the
+    output and the gradient (the inverse rotation) equal autograd's apply_rope bit for bit."""
+    from trainer.models.attention_tiles import rotated_in_tiles
+    from trainer.models.rope import apply_rope, rope_at
+
+    generator = torch.Generator().manual_seed(3)
+    heads, head_dim, tokens = 2, 8, 12
+    projection = torch.randn(2, tokens, 3 * heads * head_dim, generator=generator).to(dtype)
+    if packed:
+        rope = rope_at(torch.randint(0, 50, (2, tokens), generator=generator), head_dim, 1e4)
+    else:
+        rope = rope_cos_sin(head_dim, tokens, 1e4, torch.device("cpu"))
+    grad = torch.randn(2, tokens, heads, head_dim, generator=generator).to(dtype)
+    attention = torch.nn.Module()
+    attention.head_dim = head_dim
+    leaf = projection.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = rotated_in_tiles(attention, "k_norm", leaf[..., :heads * head_dim], heads, rope, 5)
+    assert saved == []
+    out.backward(grad)
+    plain = projection.clone().requires_grad_()
+    want = apply_rope(plain[..., :heads * head_dim].view(2, tokens, heads, head_dim), rope)
+    want.backward(grad)
+    assert torch.equal(out, want) and torch.equal(leaf.grad, plain.grad)

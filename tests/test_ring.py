@@ -125,7 +125,7 @@ def test_every_step_does_the_same_work_on_every_rank() -> None:
 def test_cuda_kernel_blocks_merge_to_whole_attention() -> None:
     """The CUDA kernel pair the ring uses, over two key blocks in one process: the merged
     output and the gradients from the merged lse equal whole attention."""
-    from sharding.ring import CudaEfficient, _attend, _merge
+    from sharding.ring_kernels import CudaEfficient, attend, merge
 
     q, k, v, grad, _ = (t.cuda() if t is not None else None
                         for t in _inputs(64, 4, 4, packed=False))
@@ -133,11 +133,34 @@ def test_cuda_kernel_blocks_merge_to_whole_attention() -> None:
     out_acc = torch.zeros_like(q)
     lse_acc = torch.full(q.shape[:3], float("-inf"), device="cuda")
     for keys in (slice(0, 32), slice(32, 64)):
-        out, lse = _attend(CudaEfficient, q, k[:, :, keys], v[:, :, keys], None, False, scale)
-        _merge(out_acc, lse_acc, out, lse, slice(0, 64))
+        out, lse = attend(CudaEfficient, q, k[:, :, keys], v[:, :, keys], None, False, scale)
+        merge(out_acc, lse_acc, out, lse, slice(0, 64))
     _close(out_acc, F.scaled_dot_product_attention(q, k, v))
     dq = sum(CudaEfficient.backward(grad, q, k[:, :, s], v[:, :, s], out_acc, lse_acc, False,
                                     None, scale)[0] for s in (slice(0, 32), slice(32, 64)))
     leaf = q.clone().requires_grad_()
     F.scaled_dot_product_attention(leaf, k, v).backward(grad)
     _close(dq, leaf.grad)
+
+
+def test_the_ring_holds_one_query_heads_temporaries() -> None:
+    """On meta (the memory model's own trace of the ring), 4 query heads on 1 KV head, bf16:
+    forward holds the per-head fp32 output sums (2 q), the K/V block attended and the one
+    arriving (1/2 q each) and one head's output; backward the per-head fp32 dq sums (2 q), the
+    fp32 dK/dV block and the one arriving (1 q each), two K/V blocks and one head's gradients.
+    Repeated K/V, whole-q fp32 merge temporaries or all heads' gradients at once (the ring
+    before: 10 q and 15 q) would each break these bounds."""
+    from checkpointing.planner.metatrace import LiveBytes
+    from sharding.ring import MetaRingExchange
+
+    q, k, v = (torch.empty(1, heads, 1024, 64, device="meta", dtype=torch.bfloat16,
+                           requires_grad=True) for heads in (4, 1, 1))
+    grad = torch.empty_like(q)
+    with LiveBytes() as live:
+        out = ring_attention(q, k, v, MetaRingExchange(4))
+        forward = live.peak
+        live.reset_peak()
+        out.backward(grad)
+        backward = live.peak
+    assert forward <= 3.5 * q.nbytes and backward <= 6.25 * q.nbytes, (forward / q.nbytes,
+                                                                      backward / q.nbytes)

@@ -47,7 +47,13 @@ def test_the_step_time_and_the_report_carry_the_rings_sends() -> None:
     sends = (outcome.profile.ring_sent_bytes_per_block
              + outcome.profile.ring_backward_bytes_per_block) / rate
     assert timing.block_compute[0] == pytest.approx(
-        3 * block.forward_flops * evaluator.seconds_per_flop + sends, rel=1e-12)
+        (3 * block.forward_flops + 0.5 * block.attention_flops) * evaluator.seconds_per_flop
+        + sends, rel=1e-12)
+    # The ring's attention counted causally: its own keys' step a causal square, the other
+    # M - 1 steps half a square each (the balanced layout), one query head per kernel call.
+    local = SEQ // 4
+    pairs = local * (local + 1) // 2 + 3 * local * local // 2
+    assert block.attention_flops == 4 * 4 * pairs * HEAD_DIM  # 4 heads, 2 matmuls x 2 FLOPs
     x = exchange_summary(outcome)
     kv_block = 2 * KV_HEADS * (SEQ // 4) * HEAD_DIM * 4
     assert x["ring_kv_block_bytes"] == kv_block and x["ring_kv_in_flight_bytes"] == 2 * kv_block

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.meter import SavedBytesMeter
+from sharding.ring import sample_slice
 from tests.dist import spawn
 from tests.test_report import (PEAK_TOLERANCE, TINY, _assert_close, _predicted, _random_batch,
                                world_of_one)  # noqa: F401 (a fixture)
@@ -39,9 +40,11 @@ HF_LONG = [o for o in LONG if not o.startswith("model.")] + [
 MODELS = {"llama": LONG, "hf": HF_LONG}
 
 
-def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict:
+def _measured(overrides: list[str], world: int, tiles: int, degree: int,
+              context: int = 1) -> dict:
     """Peak live tensor bytes of a measured train_step (after one warm-up), the model tiled
-    and made sequence-parallel here when the build does not do it itself."""
+    and made sequence-parallel here when the build does not do it itself (a ring of
+    `context`: the build's own, each rank fed its balanced slice)."""
     cfg, layout = check(overrides, {"WORLD_SIZE": str(world)})
     denv = read_env("cpu")
     meter = SavedBytesMeter()
@@ -65,6 +68,9 @@ def _measured(overrides: list[str], world: int, tiles: int, degree: int) -> dict
     for step in range(2):
         tokens, inputs, targets = _random_batch(cfg, task, generator)
         batches = [(inputs[:, start:start + width], targets[:, start:start + width])]
+        if context > 1:
+            batches = [tuple(sample_slice(t, denv.rank, context, 0, 1) for t in (inputs,
+                                                                              targets))]
         if step == 0:
             train_step(parts, batches, task.loss)
             continue
@@ -110,6 +116,27 @@ def test_sequence_degree_prediction_matches_two_real_cpu_ranks() -> None:
             _assert_close(predicted.peak.total, result[model]["peak"], PEAK_TOLERANCE,
                           f"{model} sequence=2 peak ({predicted.peak.name})")
         alone = _predicted(overrides, plan, world=2)
+        assert alone.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
+
+
+def _ring_steps(rank: int, world_size: int) -> dict:
+    return {model: _measured(overrides + ["model.dropout=0", "sharding.context=2"],
+                             world=world_size, tiles=1, degree=1, context=2)
+            for model, overrides in MODELS.items()}
+
+
+def test_ring_prediction_matches_two_real_cpu_ranks() -> None:
+    """sharding.context=2: the meta trace runs the ring's own code (MetaRingExchange); the
+    prediction is each rank's measured peak within the tolerance, and far from one rank's."""
+    results = spawn(_ring_steps, 2)
+    for model, overrides in MODELS.items():
+        ring = overrides + ["model.dropout=0", "sharding.context=2"]
+        plan = results[0][model]["plan"]
+        predicted = _predicted(ring, plan, world=2)
+        for result in results:
+            _assert_close(predicted.peak.total, result[model]["peak"], PEAK_TOLERANCE,
+                          f"{model} context=2 peak ({predicted.peak.name})")
+        alone = _predicted(overrides + ["model.dropout=0"], plan, world=2)
         assert alone.peak.total > predicted.peak.total * (1 + 2 * PEAK_TOLERANCE)
 
 

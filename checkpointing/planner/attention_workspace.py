@@ -175,21 +175,29 @@ def tile_backend(backend: str, q_len: int, k_len: int) -> str:
 
 def workspace_rule(backend: Optional[str]) -> Optional[Callable[[Any, tuple], int]]:
     """For metatrace.LiveBytes: (op, args) -> workspace bytes alive during that op. The CPU
-    flash kernel's backward stands for the CUDA kernel's; every other op adds nothing. None for
-    no CUDA fused backend (a CPU run, or math)."""
-    if backend not in FUSED:
+    flash kernel's backward stands for the CUDA kernel's; the memory-efficient kernel's
+    backward, which ring attention (sharding/ring_kernels.py) calls itself whatever the
+    backend, is its own; every other op adds nothing. None for a CPU run."""
+    if backend is None:
         return None
     import torch
 
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    efficient_backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward
 
     def rule(func, args: tuple) -> int:
-        if getattr(func, "overloadpacket", None) is not flash_backward:
+        packet = getattr(func, "overloadpacket", None)
+        if packet is efficient_backward:
+            kernel = "efficient"
+        elif packet is flash_backward and backend in FUSED:
+            kernel = None
+        else:
             return 0
-        query, key = args[1], args[2]  # (grad_out, query, key, value, out, logsumexp, ...)
+        query, key = args[1], args[2]  # (grad_out, query, key, value, ...) for both ops
         batch, heads, q_len, head_dim = query.shape
         dtype = str(query.dtype).removeprefix("torch.")
-        return backward_workspace_bytes(tile_backend(backend, q_len, key.shape[2]), batch, heads,
-                                        key.shape[1], q_len, key.shape[2], head_dim, dtype)
+        kernel = kernel or tile_backend(backend, q_len, key.shape[2])
+        return backward_workspace_bytes(kernel, batch, heads, key.shape[1], q_len,
+                                        key.shape[2], head_dim, dtype)
 
     return rule

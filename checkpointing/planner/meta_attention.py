@@ -59,3 +59,19 @@ def attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
     causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
     pairs = q_len * k_len - (q_len * (q_len - 1) // 2 if causal and q_len <= k_len else 0)
     return 2 * batch * heads * pairs * head_dim + 2 * batch * heads * pairs * v_dim
+
+
+EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
+
+
+def efficient_attention_flops(query_shape, key_shape, value_shape, bias_shape=None,
+                              compute_log_sumexp=False, dropout_p=0.0, is_causal=False, *args,
+                              out_shape=None, **kwargs) -> int:
+    """attention_flops for CUDA's memory-efficient kernel, which ring attention calls itself
+    (sharding/ring_kernels.py; on meta too): its own-keys step is causal, the others are not."""
+    return attention_flops(query_shape, key_shape, value_shape, dropout_p,
+                           kwargs.get("is_causal", is_causal))
+
+
+# The attention ops the meta trace meets, with their causal-aware FLOP formulas.
+ATTENTION_FLOPS = {FLASH_CPU: attention_flops, EFFICIENT: efficient_attention_flops}

@@ -35,8 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from checkpointing.head import SeeInsideHead
 from checkpointing.planner.attention_workspace import workspace_rule
-from checkpointing.planner.meta_attention import FLASH_CPU as _FLASH_CPU
-from checkpointing.planner.meta_attention import attention_flops as _attention_flops
+from checkpointing.planner.meta_attention import ATTENTION_FLOPS
 from checkpointing.planner.meta_attention import fused_on_meta, lower_right_on_meta
 from checkpointing.query_tiles import lower_right_attention
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
@@ -267,7 +266,7 @@ def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: S
                    like_cpu: bool = False) -> tuple[int, int, int, int]:
     """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps, FLOPs inside its
     sequence-tiled modules, attention's FLOPs) of one block."""
-    counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})
+    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
     tiled = [m for m in block.modules() if (getattr(m, "_blocktrain_tiles", None) or 1) > 1]
     inside = [0, 0]  # (FLOPs counted when the tiled module started, FLOPs inside them)
 
@@ -289,7 +288,8 @@ def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: S
     kept = set(save_op_names)
     saved_flops = sum(n for op, n in by_op.items() if getattr(op, "__name__", str(op)) in kept
                       or str(op).split(".")[-1] in kept)
-    return counter.get_total_flops(), saved_flops, inside[1], by_op.get(_FLASH_CPU, 0)
+    attention = sum(by_op.get(op, 0) for op in ATTENTION_FLOPS)
+    return counter.get_total_flops(), saved_flops, inside[1], attention
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing.query_tiles import lower_right_attention, query_tiled
-from checkpointing.tiles import mark_tiled, tiled
+from checkpointing.tiles import mark_tiled, tile_sizes, tiled
 from trainer.models.rope import Rope, apply_rope
 
 
@@ -76,6 +76,56 @@ def _rotated(attention: nn.Module, norm: str, x: torch.Tensor, heads: int,
     return apply_rope(heads_view if head_norm is None else head_norm(heads_view), rope)
 
 
+@torch.compiler.disable  # eager, as the tiles (checkpointing/tiles.py) are
+def rotated_in_tiles(attention: nn.Module, norm: str, x: torch.Tensor, heads: int, rope: Rope,
+                     num_tiles: int) -> torch.Tensor:
+    """[B, T, heads, head_dim]: x [B, T, heads * head_dim] head-normed (where the family has
+    the head norm `norm`) and rotated, in `num_tiles` sequence tiles. Rotation alone keeps
+    nothing for backward (`_Rotation`); a head norm needs its input, which the tiles keep."""
+    cos, sin = rope
+    head_norm = getattr(attention, norm, None)
+    if head_norm is None:
+        return _Rotation.apply(x, cos, sin, heads, attention.head_dim, num_tiles)
+    rows = 1 if cos.dim() == 3 else 0  # per token [B, T, d/2] (packed) or [T, d/2]
+
+    def rotate(tile: torch.Tensor, cos_tile: torch.Tensor, sin_tile: torch.Tensor):
+        return _rotated(attention, norm, tile, heads, (cos_tile, sin_tile))
+
+    return tiled(rotate, x, num_tiles, _trained(head_norm), aligned=[(cos, rows), (sin, rows)])
+
+
+class _Rotation(torch.autograd.Function):
+    """Rotary in sequence tiles that keeps nothing for backward: a rotation's gradient is the
+    inverse rotation of the output's gradient (apply_rope(inverse=True): autograd's products
+    and sums, bit for bit). Recomputing the tiles instead would keep the input, a view that
+    holds the whole q/k/v projection alive until backward (under Ulysses and the ring the
+    all-to-all copies q, k and v, so nothing else needs it)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, heads: int, head_dim: int, num_tiles: int):
+        ctx.rope, ctx.num_tiles = (cos, sin), num_tiles
+        batch, tokens, _ = x.shape
+        return _rotate_tiles(x.view(batch, tokens, heads, head_dim), cos, sin, num_tiles)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = _rotate_tiles(grad, *ctx.rope, ctx.num_tiles, inverse=True).flatten(2)
+        return grad_x, None, None, None, None, None
+
+
+def _rotate_tiles(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_tiles: int,
+                  inverse: bool = False) -> torch.Tensor:
+    rows = 1 if cos.dim() == 3 else 0
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    offset = 0
+    for size in tile_sizes(x.shape[1], num_tiles):
+        tile_rope = (cos.narrow(rows, offset, size), sin.narrow(rows, offset, size))
+        out.narrow(1, offset, size).copy_(apply_rope(x.narrow(1, offset, size), tile_rope,
+                                                     inverse))
+        offset += size
+    return out
+
+
 def _trained(*modules: Optional[nn.Module]) -> list[torch.Tensor]:
     return [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
 
@@ -96,20 +146,12 @@ def tiled_attention(attention: nn.Module, qkv: torch.Tensor, rope: Rope, mask,
     rows = 1 if cos.dim() == 3 else 0  # per token [B, T, d/2] (packed) or [T, d/2]
     aligned = [(cos, rows), (sin, rows)]
     kv_heads = attention.n_kv_heads
-
-    def rotate_keys(k_tile: torch.Tensor, cos_tile: torch.Tensor, sin_tile: torch.Tensor):
-        return _rotated(attention, "k_norm", k_tile, kv_heads, (cos_tile, sin_tile))
-
-    keys = tiled(rotate_keys, k, num_tiles, _trained(getattr(attention, "k_norm", None)),
-                 aligned=aligned).transpose(1, 2)
+    keys = rotated_in_tiles(attention, "k_norm", k, kv_heads, rope, num_tiles).transpose(1, 2)
     values = v.view(batch, tokens, kv_heads, attention.head_dim).transpose(1, 2)
     q_norm = getattr(attention, "q_norm", None)
     if _whole(attention, mask):
-        def rotate_queries(q_tile: torch.Tensor, cos_tile: torch.Tensor, sin_tile: torch.Tensor):
-            return _rotated(attention, "q_norm", q_tile, attention.n_heads, (cos_tile, sin_tile))
-
-        queries = tiled(rotate_queries, q, num_tiles, _trained(q_norm),
-                        aligned=aligned).transpose(1, 2)
+        queries = rotated_in_tiles(attention, "q_norm", q, attention.n_heads, rope,
+                                   num_tiles).transpose(1, 2)
         out = attention.attend(queries, keys, values, mask=mask,
                                dropout_p=attention.dropout if attention.training else 0.0,
                                enable_gqa=kv_heads != attention.n_heads)

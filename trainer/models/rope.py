@@ -36,13 +36,16 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor
     return 1.0 / (theta**exponents)
 
 
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tensor:
     """Rotate ``x`` of shape ``[B, T, heads, head_dim]`` by position.
 
     Uses Meta's interleaved convention: feature pairs ``(2i, 2i+1)`` are the real
     and imaginary parts of one complex number that is multiplied by
     ``exp(j * pos * freq_i)``. The rotation runs in float32 because bf16 angles
     lose relative-position precision at long sequence lengths.
+
+    inverse: rotate by the negated angles, which is the rotation's gradient: for the
+    gradient of the output it gives, bit for bit, the products and sums autograd forms.
     """
     cos, sin = rope
     seq_len = x.shape[1]
@@ -53,5 +56,8 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
         sin = sin[:seq_len].view(1, seq_len, 1, -1)
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    if inverse:
+        rotated = torch.stack((real * cos + imag * sin, imag * cos - real * sin), dim=-1)
+    else:
+        rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
