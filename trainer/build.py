@@ -11,7 +11,7 @@ import fnmatch
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -63,7 +63,9 @@ def build_on_meta(cfg: ModelConfig) -> nn.Module:
         from trainer.models.families.lora import apply_lora
 
         names, _ = find_model_blocks(model, cfg)
-        apply_lora(model, cfg.lora, names, getattr(model, "init_param", None) or default_init)
+        family = family_of(cfg)
+        apply_lora(model, cfg.lora, names, getattr(model, "init_param", None) or default_init,
+                   lambda name, tensor: family.adapter_tensor(name, tensor, asdict(cfg)))
     return model
 
 

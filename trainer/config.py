@@ -62,8 +62,8 @@ class LoraSettings:
     # Module-name globs of the linear layers adapted (e.g. "*.q_proj"); empty: every linear
     # layer inside the blocks.
     targets: List[str] = field(default_factory=list)
-    # none | nf4: the base's block linears stored in 4-bit NF4 (QLoRA, trainer/models/families/qlora.py)
-    quantize: str = "none"
+    quantize: str = "none"  # none | nf4: the base's block linears in 4-bit NF4 (QLoRA, families/qlora.py)
+    adapter: Optional[str] = None  # PEFT folder to start from: r/lora_alpha/layers must equal rank/alpha/targets
 
     @property
     def on(self) -> bool:

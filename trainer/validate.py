@@ -12,6 +12,7 @@ from trainer.data.base import ModelFacts
 from trainer.data.factory import source_of
 from trainer.models.families.attention_backend import check_attention
 from trainer.models.families import family_of
+from trainer.models.families.lora_settings import adapter_config
 from sharding.layout import Layout, LayoutError, make_layout
 
 
@@ -245,6 +246,8 @@ def check_lora(m: ModelConfig) -> None:
                 "model.lora.rank; set it (e.g. 16) or leave the targets empty")
         require(lora.quantize == "none", "model.lora.quantize", f"{lora.quantize} quantizes "
                 "the frozen base of LoRA; set model.lora.rank (e.g. 16) or quantize=none")
+        require(lora.adapter is None, "model.lora.adapter", "starts LoRA's adapters; set "
+                "model.lora.rank (and alpha) as the adapter's, or leave it null")
         return
     require(isinstance(lora.rank, int) and lora.rank > 0, "model.lora.rank",
             f"must be a positive integer (or null: no LoRA), got {lora.rank}")
@@ -255,6 +258,8 @@ def check_lora(m: ModelConfig) -> None:
             f"must be at least 0 and below 1, got {lora.dropout}")
     require(not m.freeze, "model.freeze", "with LoRA the whole base is frozen already; "
             "leave model.freeze empty (choose the adapted layers with model.lora.targets)")
+    if lora.adapter is not None:
+        adapter_config(lora, m.path)
 
 
 def model_facts(m: ModelConfig) -> ModelFacts:

@@ -16,10 +16,9 @@ from typing import Mapping
 import torch
 
 from trainer.models.families import family_of_saved
-from trainer.models.families.lora import ADAPTER, merged_state
+from trainer.models.families.lora import ADAPTER, PEFT_PREFIX, merged_state
 from trainer.config import LoraSettings
 
-PEFT_PREFIX = "base_model.model."  # where PeftModel keeps the model it adapts
 QUANTIZED = ".nf4_"  # the names of an NF4 base weight's parts (trainer/models/families/qlora.py)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -30,6 +31,9 @@ from trainer.config import LoraSettings
 from trainer.models.families.qlora import quiet_torchao
 
 ADAPTER = "default"  # PEFT's adapter name; the exported files drop it, as PEFT's do
+PEFT_PREFIX = "base_model.model."  # where PeftModel keeps the model it adapts
+# A LoRA tensor's name and value as the family's PEFT adapter file holds them (Family.adapter_tensor).
+ToFile = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor]"]
 BASE = ".base_layer"
 
 
@@ -80,13 +84,16 @@ class LoraInit:
     """The model's init_param with adapters: see the module docstring."""
 
     def __init__(self, base: Callable[[str, torch.Tensor, torch.Generator], None],
-                 nf4: Optional[Callable] = None) -> None:
+                 nf4: Optional[Callable] = None, start: Optional["AdapterFile"] = None) -> None:
         self.base = base
         self.nf4 = nf4  # qlora.NF4Init, when the base is quantized
+        self.start = start  # model.lora.adapter's tensors, when the adapters start from them
 
     @torch.no_grad()
     def __call__(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
-        if ".lora_A." in name:
+        if self.start is not None and is_adapter(name):
+            full.copy_(self.start.load(name))
+        elif ".lora_A." in name:
             bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)), PEFT's default
             full.uniform_(-bound, bound, generator=generator)
         elif ".lora_B." in name:
@@ -97,10 +104,56 @@ class LoraInit:
             self.base(base_name(name), full, generator)
 
 
+class AdapterFile:
+    """model.lora.adapter's lora_A / lora_B for the meta model's adapters, checked on building:
+    each under the name the family's export gives it (`to_file`), of the parameter's shape,
+    and no tensor left over. A family that reorders rows on export (the built-in Llama's
+    rotary rows of lora_B) is undone by sending row numbers through the same function."""
+
+    def __init__(self, folder: str, model: nn.Module, to_file: ToFile) -> None:
+        from safetensors import safe_open
+
+        self.path, key = os.path.join(folder, "adapter_model.safetensors"), "model.lora.adapter"
+        with safe_open(self.path, "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        self.where: dict[str, tuple[str, torch.Tensor]] = {}
+        for name, param in model.named_parameters():
+            if not is_adapter(name):
+                continue
+            rows = torch.arange(param.shape[0], dtype=torch.float64)[:, None]
+            stored, order = to_file(name.replace(f".{ADAPTER}.", "."),
+                                    rows.expand(tuple(param.shape)).contiguous())
+            stored = PEFT_PREFIX + stored
+            if stored not in shapes:
+                raise ConfigError("model.lora.targets", f"this run adapts {base_name(name)} "
+                                  f"but the adapter at {folder} has no {stored}; set the "
+                                  "targets as its adapter_config.json's target_modules")
+            if shapes[stored] != tuple(param.shape):
+                raise ConfigError(key, f"{folder} adapts another base: {stored} is "
+                                  f"{list(shapes[stored])}, this model's {list(param.shape)}")
+            self.where[name] = (stored, order[:, 0].long())
+        left = sorted(set(shapes) - {stored for stored, _ in self.where.values()})
+        if left:
+            raise ConfigError("model.lora.targets", f"the adapter at {folder} also holds "
+                              f"{len(left)} tensors this run does not adapt (e.g. {left[0]}); "
+                              "set the targets as its adapter_config.json's target_modules")
+
+    def load(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        stored, order = self.where[name]
+        with safe_open(self.path, "pt") as f:
+            tensor = f.get_tensor(stored)
+        out = torch.empty_like(tensor)
+        out[order] = tensor  # the file's row i is the model's row order[i]
+        return out
+
+
 def apply_lora(model: nn.Module, lora: LoraSettings, block_names: Sequence[str],
-               base_init: Callable) -> list[str]:
+               base_init: Callable, to_file: Optional[ToFile] = None) -> list[str]:
     """Adapters on the targeted layers of the meta model, everything else frozen; returns the
-    adapted layers' names. `base_init`: how the model initialises a parameter by name."""
+    adapted layers' names. `base_init`: how the model initialises a parameter by name;
+    `to_file`: its family's adapter_tensor, to start from model.lora.adapter."""
     with quiet_torchao():
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -116,7 +169,10 @@ def apply_lora(model: nn.Module, lora: LoraSettings, block_names: Sequence[str],
 
         quantize_blocks(model, block_names)
         nf4 = NF4Init(model)
-    model.init_param = LoraInit(base_init, nf4)
+    start = None
+    if lora.adapter is not None:
+        start = AdapterFile(lora.adapter, model, to_file)
+    model.init_param = LoraInit(base_init, nf4, start)
     model.lora_targets = targets
     return targets
 
