@@ -220,10 +220,11 @@ class PinnedPool:
     Buffers are allocated on first need and then reused: in steady state (the same shapes every
     step) no allocation happens after the first step, and a class holds as many buffers as the
     step had storages of that size in flight at once (the planner counts exactly these:
-    trainer/preflight/host_memory.py). Nothing is freed to make room for another
-    class: unpinning and pinning again costs more than the copies it serves, and a freed block
-    would have to wait for every copy into it. When a class has no free buffer and the bound is reached, `acquire`
-    returns None and the caller decides (keep on the device, or wait for a release).
+    trainer/preflight/host_memory.py). Nothing is freed to make room for another class:
+    unpinning and pinning again costs more than the copies it serves, and a freed block would
+    have to wait for every copy into it. When a class has no free buffer and the bound is
+    reached, `acquire` returns None and the caller decides (keep on the device, or wait for a
+    release).
     """
 
     def __init__(self, max_bytes: int, allocate: Callable[[int], Tensor]) -> None:

@@ -91,8 +91,9 @@ def turn_start(shown: Rendered, place: tuple[int, int]) -> int:
     """The first token of a turn whose content is at `place`: the one holding its first
     character (the token at its place, for an empty content)."""
     if place[1] > place[0]:
-        if shown.in_order and bisect_right(shown.ends, place[0]) < len(shown.ids):
-            return bisect_right(shown.ends, place[0])
+        holder = bisect_right(shown.ends, place[0]) if shown.in_order else len(shown.ids)
+        if holder < len(shown.ids):
+            return holder
         return next(j for j, (_, end) in enumerate(shown.offsets) if end > place[0])
     if shown.in_order:
         return bisect_left(shown.begins, place[0])

@@ -10,9 +10,10 @@ process at once with a line (trainer/__main__.py): nothing is being written then
 With data.num_proc > 1, `datasets` forks workers (and a manager process) inside the block. They
 leave stopping to this process, which ends the pool on its way out: forked there, they ignore
 the stop signals, each in a process group of its own (a signal to the whole group reaches this
-process alone: see _quiet_worker), and end by SIGTERM, which is how the pool ends them. Stopping while the pool works, `datasets`' own clean-up raises (a
-TimeoutError waiting for results that will not come) over our stop: the stop is found in the
-exception's context, so it is still the line and the status. What the block started and is
+process alone: see _quiet_worker), and end by SIGTERM, which is how the pool ends them. Stopping
+while the pool works, `datasets`' own clean-up raises (a TimeoutError waiting for results that
+will not come) over our stop: the stop is found in the exception's context, so it is still the
+line and the status. What the block started and is
 still running when it ends (the manager, when the stop came while `datasets` handled a result
 outside the generator that shuts it down) is ended there: the exit would wait for it.
 """
@@ -71,10 +72,6 @@ def _quiet_worker() -> None:
         pass
 
 
-os.register_at_fork(before=lambda: _fork_begins(), after_in_child=_quiet_worker,
-                    after_in_parent=lambda: _fork_ends())
-
-
 def _children() -> set:
     """The live processes this one started with multiprocess (`datasets`' pool and manager)
     or multiprocessing."""
@@ -118,6 +115,10 @@ def _fork_ends() -> None:
     if _deferred:
         threading.Timer(0.05, os.kill, (os.getpid(), _deferred.pop())).start()
         _deferred.clear()
+
+
+os.register_at_fork(before=_fork_begins, after_in_child=_quiet_worker,
+                    after_in_parent=_fork_ends)
 
 
 def _stop_in(exc: Optional[BaseException]) -> Optional[int]:

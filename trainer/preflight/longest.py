@@ -66,8 +66,8 @@ def longest(scenario: Scenario, predict: Predict, step_tokens: int = STEP_TOKENS
     tried says where the limit is crossed. Starting from the config's own length, a handful of
     predictions find the last fitting length: every guess stays strictly inside the bracket of
     a fitting and a failing length, and after two guesses in a row on one side of the limit
-    the rest is bisection, so it ends as bisection would, a few predictions later at worst. A 70B prediction takes
-    minutes: 4-6 of them instead of ~25."""
+    the rest is bisection, so it ends as bisection would, a few predictions later at worst. A
+    70B prediction takes minutes: 4-6 of them instead of ~25."""
     step = step_of(scenario, step_tokens)
     cap = 2 ** MAX_DOUBLINGS
     tried: list[tuple[int, bool]] = []

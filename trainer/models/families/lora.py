@@ -32,7 +32,8 @@ from trainer.models.families.qlora import quiet_torchao
 
 ADAPTER = "default"  # PEFT's adapter name; the exported files drop it, as PEFT's do
 PEFT_PREFIX = "base_model.model."  # where PeftModel keeps the model it adapts
-# A LoRA tensor's name and value as the family's PEFT adapter file holds them (Family.adapter_tensor).
+# A LoRA tensor's name and value as the family's PEFT adapter file holds them
+# (Family.adapter_tensor).
 ToFile = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor]"]
 BASE = ".base_layer"
 
