@@ -259,11 +259,9 @@ def _without(signals: str, handled: Sequence[str]) -> str:
     return ",".join(s for s in signals.split(",") if s.strip() and s.strip() not in handled)
 
 
-def _parser(torchrun):
+def _parser(torchrun, trainer_cli):
     """torchrun's own parser, its help led by what this launcher and blocktrain add."""
     import argparse
-
-    from trainer.cli import EXIT_STATUSES, RUNS
 
     parser = torchrun.get_args_parser()
     parser.prog = "python -m launch.run"
@@ -275,7 +273,7 @@ def _parser(torchrun):
         "finish their\nstep, save and exit (a second Ctrl-C stops them at once); a deliberate "
         "exit is not\nrestarted by --max-restarts; the workers' own exit status is the "
         "launcher's.\n\n"
-        f"{EXIT_STATUSES}\n\n{RUNS}\n\ntorchrun's own help follows.\n\n"
+        f"{trainer_cli.EXIT_STATUSES}\n\n{trainer_cli.RUNS}\n\ntorchrun's own help follows.\n\n"
         f"{parser.description}")
     return parser
 
@@ -297,9 +295,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher import api as launcher_api
 
+    from trainer import cli as trainer_cli  # for --help; hydra's imports take seconds too
+
     group.install()  # a Ctrl-C during the rendezvous stops at once
     _quiet_torchrun()
-    args = _parser(torchrun).parse_args(argv)
+    args = _parser(torchrun, trainer_cli).parse_args(argv)
     bad = _bad_nproc(str(args.nproc_per_node))
     if bad:
         print(f"error: --nproc-per-node: {bad}", file=sys.stderr, flush=True)
