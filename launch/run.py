@@ -17,7 +17,8 @@ processes; only these differ:
 - The exit status is the workers' own: 0, 130 (Ctrl-C), 75 (saved and stopped), 74 (a save
   failed), 2 (a setting), 1; nothing is printed besides their lines, except one line for a worker
   killed by a signal (it could say nothing itself; exit 1, also where its peers then stopped
-  with 75: a requeue would loop on a kill). A worker ended by the very signal this launcher
+  with 75: a requeue would loop on a kill), and a last line for a group stopped with 75 by a
+  signal passed on (rank 0's own line may be missing, or followed by a peer's C++ error). A worker ended by the very signal this launcher
   passed on (it came before the worker's Python could handle it) stopped as asked: 130 for
   Ctrl-C, else 75. torchrun prints its SignalException or ChildFailedError trace and exits 1.
 - A group in which a worker exits with one of those deliberate statuses is not restarted under
@@ -197,6 +198,12 @@ def status_of(failed, group: Group) -> int:
     elif decided:  # the decision, not a peer's failure after it
         rank, first = min(decided.items())
     if first.exitcode > 0:
+        if first.exitcode == STOPPED and asked not in (None, signal.SIGINT):
+            # The group's verdict last: rank 0's line may be missing (ended by the signal while
+            # starting, before its handler) or followed by a peer's C++ error (a gloo connect
+            # cut short when rank 0 left during start-up).
+            print(f"stopped by {group.stopping.name}: every worker has ended (status 75); "
+                  "start the same run again to continue", file=sys.stderr, flush=True)
         return first.exitcode  # the worker's own status; it printed its own line
     if -first.exitcode == asked:  # ended by the signal passed on, before it could say so
         print(AT_ONCE_LINE if asked == signal.SIGINT else

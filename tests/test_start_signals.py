@@ -226,6 +226,28 @@ def test_a_kill_is_the_status_even_where_a_peer_then_stopped_with_75() -> None:
     assert status_of(ChildFailedError("trainer", failures), stopped) == 75
 
 
+def test_a_group_stopped_by_a_passed_on_signal_ends_with_the_launchers_line(capsys) -> None:
+    """Seen in a whole-suite run (seed 3708177472): SIGTERM while the workers imported, rank 0
+    ended by it before its handler (no line) and rank 1 exited 75 silently: status 75 and not a
+    word. And a SIGUSR1 at start-up left a peer's gloo connect error as the last line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from launch.run import Group, status_of
+
+    stopped = Group()
+    stopped.stopping = signal.SIGTERM
+    failures = {0: ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM,
+                                  error_file=""),
+                1: ProcessFailure(local_rank=1, pid=101, exitcode=75, error_file="")}
+    assert status_of(ChildFailedError("trainer", failures), stopped) == 75
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "stopped by SIGTERM: every worker has ended (status 75); start the same run again to "
+        "continue"]
+    failures = {0: ProcessFailure(local_rank=0, pid=100, exitcode=75, error_file="")}
+    assert status_of(ChildFailedError("trainer", failures), Group()) == 75  # not asked by us
+    assert capsys.readouterr().err == ""
+
+
 def test_ctrl_c_is_handled_until_the_process_is_gone(tmp_path) -> None:
     """The cause of tests/test_clear_errors.py's 4 s Ctrl-C case: the interpreter's teardown
     put SIGINT back to its default action for its last moments (a Ctrl-C there: status -2, no
