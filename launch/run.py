@@ -20,7 +20,8 @@ processes; only these differ:
   with 75: a requeue would loop on a kill), and a last line for a group stopped with 75 by a
   signal passed on (rank 0's own line may be missing, or followed by a peer's C++ error). A
   worker ended by the very signal this launcher passed on (it came before the worker's Python
-  could handle it) stopped as asked: 130 for Ctrl-C, else 75. torchrun prints its SignalException or ChildFailedError trace and exits 1.
+  could handle it) stopped as asked: 130 for Ctrl-C, else 75. torchrun prints its
+  SignalException or ChildFailedError trace and exits 1.
 - A group in which a worker exits with one of those deliberate statuses is not restarted under
   --max-restarts, and that status is the launcher's, also when a peer failed as it left: only
   crashes are restarted.
