@@ -1,13 +1,17 @@
 """LoRA with the rest of the plan (issue 46): offload of saved activations, sequence tiles, the
 chunked head and `sharding.sequence`, through the Trainer as a run builds it, on 2 gloo ranks
-(one spawn for every case); and an adapter folder loaded onto 2 FSDP ranks.
+(one spawn for every case) and against one rank on the same samples; an adapter folder loaded
+onto 2 FSDP ranks as onto one; and on one rank (build_model, 3 optimizer steps, dropout on) the
+chunked head, and adapter dropout inside tiles.
 
 Only the adapters have gradients; every case compares them (and the loss, the validation loss)
 with a reference run. Bitwise where the sums are the same (a checkpointing policy with offload
-to disk or host); within tests/test_sequence_runs.py's relative 1e-6 where tiles, the chunked
-head or the sequence split change their order. Adapter dropout (`model.lora.dropout`) stays on
-at one degree; across degrees it is 0, as attention dropout is there: a rank holding half the
-tokens cannot draw the masks one rank draws for all of them."""
+to disk or host; the chunked head, the head being frozen); within tests/test_sequence_runs.py's
+relative 1e-6 for losses, and ADAPTER_TILES for adapter gradients, where tiles or the sequence
+split change their order. Adapter dropout (`model.lora.dropout`) stays on at one degree
+without tiles; across degrees it is 0, as attention dropout is there: a rank holding half the
+tokens cannot draw the masks one rank draws for all of them; nor does a tile draw the whole
+sequence's (in tiles it is checked against tiles alone)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ N2 = ["train.micro_batch_size=1", "sharding.sequence=2", "train.eval_batches=4"]
 CHUNKED = ["checkpointing.head=chunked", "checkpointing.head_chunk_tokens=16"]
 DISK = ["offload=disk", "offload.min_bytes=0", "offload.keep_last=0"]
 HF = [*LORA, "model=hf", HF_LLAMA]
+ONE = ["train.micro_batch_size=4", "train.eval_batches=1"]  # N1's samples on one rank
 
 
 def _trainer(overrides: list[str], run_dir: str):
@@ -64,20 +69,10 @@ def _one_step(overrides: list[str], run_dir: str) -> dict:
                  if p.grad is not None}
         val = evaluate(model, trainer.data.val, trainer.task, denv.device)["val_loss"]
         frozen = sum(not p.requires_grad for p in model.parameters())
+        adapters = {canonical_name(n): p.full_tensor().detach().clone()
+                    for n, p in model.named_parameters() if p.requires_grad}  # held still
         return {"loss": float(loss), "val": val, "grads": grads, "frozen": frozen,
-                "offloaded": trainer.built.plan[0].offload}
-    finally:
-        trainer.closing.close()
-
-
-def _adapter_values(overrides: list[str], run_dir: str) -> dict:
-    """The adapters as a run on this world size starts them (full tensors)."""
-    from checkpointing.blocks import canonical_name
-
-    trainer, _ = _trainer(overrides, run_dir)
-    try:
-        return {canonical_name(n): p.full_tensor().detach().clone()
-                for n, p in trainer.model_state.model.named_parameters() if ".lora_" in n}
+                "offloaded": trainer.built.plan[0].offload, "adapters": adapters}
     finally:
         trainer.closing.close()
 
@@ -108,9 +103,18 @@ def _two_ranks(rank: int, world: int, work: str, adapters: dict) -> dict:
     for name, (run, reference) in _cases(Path(work), adapters).items():
         out[name] = (_one_step(run, os.path.join(work, name, "run")),
                      _one_step(reference, os.path.join(work, name, "reference")))
-    loaded = [*chat(Path(work)), *LORA, *N1, f"model.lora.adapter={adapters['llama']}"]
-    out["adapter"] = _adapter_values(loaded, os.path.join(work, "adapter-run"))
+    out["adapter"] = _one_step([*_loaded(Path(work), adapters), *N1],
+                               os.path.join(work, "adapter-run"))
     return out
+
+
+def _loaded(work: Path, adapters: dict) -> list[str]:
+    return [*chat(work), *LORA, "model.dropout=0.0", f"model.lora.adapter={adapters['llama']}"]
+
+
+def _one_rank(rank: int, world: int, work: str, adapters: dict) -> dict:
+    """One rank on the same 4 samples (and 4 validation samples), the plain head."""
+    return _one_step([*_loaded(Path(work), adapters), *ONE], os.path.join(work, "one-rank"))
 
 
 def _adapter_folder(work: Path, name: str, overrides: list[str],
@@ -136,10 +140,13 @@ def _adapter_folder(work: Path, name: str, overrides: list[str],
 
 
 @pytest.fixture(scope="module")
-def ranks(work) -> tuple[list[dict], dict]:
+def ranks(work) -> tuple[list[dict], dict, dict]:
+    """Each rank's results on 2 ranks, the llama folder's values, one rank's run."""
     llama, values = _adapter_folder(work, "llama", LORA)
     hf, _ = _adapter_folder(work, "hf", HF)
-    return spawn(_two_ranks, 2, str(work), {"llama": llama, "hf": hf}), values
+    folders = {"llama": llama, "hf": hf}
+    return (spawn(_two_ranks, 2, str(work), folders), values,
+            spawn(_one_rank, 1, str(work), folders)[0])
 
 
 def _adapters_only(result: dict) -> None:
@@ -173,8 +180,8 @@ def _worst(got: dict, want: dict) -> float:
 
 
 # An adapter's gradient is one sum over every token of a product of two rank-4 factors: split
-# into tiles, fp32's reordering of it reaches 1.5e-6 of the largest element (2026-12-05); in
-# float64 the same split is exact to 1e-12 (the test below).
+# into tiles, or across a sequence pair against one rank, fp32's reordering of it reaches 1.5e-6
+# of the largest element (2026-12-05); in float64 the tiles' split is exact to 1e-12 (below).
 ADAPTER_TILES = 5e-6
 
 
@@ -215,13 +222,34 @@ def test_adapter_gradients_in_tiles_are_exact_in_float64(tmp_path) -> None:
     assert _worst(tiled, whole) < 1e-11
 
 
-def test_an_adapter_folder_starts_both_ranks_bitwise(ranks) -> None:
-    results, values = ranks
-    for rank in results:
-        loaded = rank["adapter"]
+def test_an_adapter_folder_starts_both_ranks_bitwise_as_one_rank(ranks) -> None:
+    """The folder's values bit for bit (full tensors) on 2 FSDP ranks and on one, and the
+    first loss of 2 ranks within 1e-6 of one rank's (test_lora.py's 2-ranks-vs-1 bound)."""
+    results, values, one = ranks
+    assert sorted(one["adapters"]) == sorted(results[0]["adapter"]["adapters"])
+    for rank in [*results, {"adapter": one}]:
+        loaded = rank["adapter"]["adapters"]
         assert len(loaded) == len(values) > 0
         for (name, got), want in zip(sorted(loaded.items()), _in_order(values, loaded)):
             assert torch.equal(got, want), name
+    for rank in results:
+        got = rank["adapter"]
+        print(f"adapter on 2 ranks: first loss {got['loss']!r}, one rank {one['loss']!r}")
+        assert abs(got["loss"] - one["loss"]) <= 1e-6
+        assert got["val"] == pytest.approx(one["val"], rel=TOLERANCE, abs=0)
+        assert _worst(got["grads"], one["grads"]) < TOLERANCE
+
+
+def test_sequence_2_on_two_ranks_follows_one_rank(ranks) -> None:
+    """The sequence pair (chunked head) against one rank on the same samples (plain head):
+    the adapters' token sums split across the pair, hence ADAPTER_TILES."""
+    results, _, one = ranks
+    for rank in results:
+        got = rank["sequence"][0]
+        _adapters_only(got)
+        assert got["loss"] == pytest.approx(one["loss"], rel=TOLERANCE, abs=0)
+        assert got["val"] == pytest.approx(one["val"], rel=TOLERANCE, abs=0)
+        assert _print_worst("sequence vs one rank", got, one) < ADAPTER_TILES
 
 
 def _in_order(values: dict, loaded: dict) -> list[torch.Tensor]:
@@ -230,3 +258,52 @@ def _in_order(values: dict, loaded: dict) -> list[torch.Tensor]:
 
     by_name = {canonical_name(n): v for n, v in values.items()}
     return [by_name[name] for name in sorted(loaded)]
+
+
+# --- one rank, build_model as tests/test_lora.py: 3 optimizer steps, dropout on --------------
+
+def _steps(run_dir: str, *overrides: str) -> tuple:
+    """(losses, the last step's adapter gradients, the plan as (recompute, offload target,
+    tiles)) of 3 steps of a tiny Llama from fresh adapters (step 1 moves lora_B off zero)."""
+    from checkpointing.meter import SavedBytesMeter
+    from tests.checkpoint_harness import SMALL, train_steps
+    from tests.helpers import config, layout_of
+    from trainer.build import build_model
+    from trainer.distenv import read_env
+
+    cfg = config(*SMALL, "model=tiny", *LORA, "model.lora.dropout=0.1", *overrides)
+    torch.manual_seed(7)  # the dropout masks: the same sequence for every run
+    built = build_model(cfg, read_env("cpu"), layout=layout_of(cfg), meter=SavedBytesMeter(),
+                        run_dir=run_dir)
+    losses, grads, _ = train_steps(built, SavedBytesMeter(), cfg.optim, 3, 0)
+    plan = [(p.recompute, p.offload != "none" and p.target, p.tiles) for p in built.plan]
+    assert grads and all(".lora_A." in n or ".lora_B." in n for n in grads)
+    assert all(grad.abs().sum() > 0 for grad in grads.values())  # lora_A's too
+    return losses, grads, plan
+
+
+def _bitwise(got: tuple, want: tuple) -> None:
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+
+
+def test_the_chunked_head_gives_bitwise_adapter_gradients(world_of_one, tmp_path) -> None:
+    """The head is frozen: each token's hidden gradient is its own row's, chunked or not, so
+    the adapters' gradients (and here the losses) are plain LoRA's bit for bit."""
+    plain = _steps(str(tmp_path), "checkpointing=none")
+    _bitwise(_steps(str(tmp_path), "checkpointing=none", *CHUNKED), plain)
+
+
+def test_tiles_replay_adapter_dropout_under_recompute_and_offload(world_of_one,
+                                                                 tmp_path) -> None:
+    """In tiles PEFT's dropout draws each tile's masks (not the whole sequence's: the cases
+    above keep it 0), the same ones again in every recompute: full recompute with disk offload
+    in tiles gives tiles alone bit for bit over 3 steps, adapter and model dropout on."""
+    tiles = ["checkpointing.tiles=2"]
+    alone = _steps(str(tmp_path), *tiles, "checkpointing=none")
+    got = _steps(str(tmp_path), *tiles, "checkpointing=full", *DISK)
+    assert all(plan == ("full", "disk", 2) for plan in got[2])
+    _bitwise(got, alone)
+    untiled = _steps(str(tmp_path), "checkpointing=none")  # the whole sequence's masks
+    assert _worst(untiled[1], alone[1]) > 1e-3
