@@ -160,18 +160,6 @@ def test_sigusr1_while_the_map_workers_run_is_one_line_and_75(tmp_path) -> None:
     _no_temp_folder(tmp_path)
 
 
-def test_the_map_workers_end_with_a_trainer_killed_by_sigkill(tmp_path) -> None:
-    """kill -9 (or the OOM killer) of a trainer while `datasets`' workers tokenize: in a
-    process group of their own, they went on unsupervised; now they end with it."""
-    overrides, _ = _data(tmp_path, STUCK, num_proc=2)
-    run = _start(tmp_path, overrides)
-    _until(lambda: _tokenizing(tmp_path) and len(_workers(run)) >= 2, run, "the map workers")
-    workers = _workers(run)
-    run.kill()
-    run.communicate(timeout=SLOW)
-    _gone(workers)
-
-
 def _gone(workers: list[int]) -> None:
     deadline = time.monotonic() + 10  # an orphaned worker is reaped by init, a moment later
     while [pid for pid in workers if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:

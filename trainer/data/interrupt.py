@@ -10,8 +10,7 @@ process at once with a line (trainer/__main__.py): nothing is being written then
 With data.num_proc > 1, `datasets` forks workers (and a manager process) inside the block. They
 leave stopping to this process, which ends the pool on its way out: forked there, they ignore
 the stop signals, each in a process group of its own (a signal to the whole group reaches this
-process alone: see _quiet_worker), and end by SIGTERM, which is how the pool ends them, and
-which Linux sends them when this process ends without ending them (SIGKILL). Stopping
+process alone: see _quiet_worker), and end by SIGTERM, which is how the pool ends them. Stopping
 while the pool works, `datasets`' own clean-up raises (a TimeoutError waiting for results that
 will not come) over our stop: the stop is found in the exception's context, so it is still the
 line and the status. What the block started and is
@@ -71,23 +70,6 @@ def _quiet_worker() -> None:
             signal.signal(number, signal.SIG_DFL if number == signal.SIGTERM else signal.SIG_IGN)
     except ValueError:  # not this interpreter's main thread: leave it as it is
         pass
-    _end_with_parent()
-
-
-def _end_with_parent() -> None:
-    """Out of the parent's group, a worker would outlive a parent killed by SIGKILL (kill -9,
-    the OOM killer) and tokenize on unsupervised: on Linux it gets SIGTERM when the parent
-    ends (PR_SET_PDEATHSIG), and ends now if the parent is already gone."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl in this C library: as before
-        return
-    if os.getppid() != _parent:
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _children() -> set:
@@ -119,13 +101,9 @@ _forking = False  # the main thread is in os.fork's hooks, where a raised except
 _deferred: list = []  # stops that came meanwhile
 
 
-_parent = os.getpid()  # the process forking now (a worker checks it is still there)
-
-
 def _fork_begins() -> None:
-    global _forking, _parent
+    global _forking
     _forking = _preparing and threading.current_thread() is threading.main_thread()
-    _parent = os.getpid()
 
 
 def _fork_ends() -> None:
