@@ -52,20 +52,30 @@ def test_a_query_tile_counts_its_causal_prefix() -> None:
     assert _attention_flops((1, 2, 64, 16), (1, 2, 256, 16), (1, 2, 256, 16)) == 4 * 2 * 64 * 256 * 16
 
 
-def test_step_flops_are_what_a_real_cpu_forward_and_backward_runs() -> None:
+# LoRA: the frozen base's linears run no weight gradient; QLoRA's NF4 linears compute on meta
+# without a matmul the counter sees (checkpointing/planner/linear_flops.py).
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+
+
+@pytest.mark.parametrize("extra", [[], LORA, [*LORA, "model.lora.quantize=nf4"]],
+                         ids=["full", "lora", "qlora"])
+def test_step_flops_are_what_a_real_cpu_forward_and_backward_runs(extra) -> None:
     """FlopCounterMode over a real step of the tiny Llama (no recompute): its matmuls forward and
     backward and attention's forward (the CPU flash backward has no formula in torch: left out
     of both sides) against step_time's forward + backward + head, less attention's backward."""
-    from trainer.build import build_on_meta  # noqa: F401 (the model's registry)
-    from trainer.models.families.llama import llama_args
-    from trainer.models.llama import build_llama
+    from trainer.build import build_on_meta, materialize
 
-    outcome = _outcome(BASE)
+    outcome = _outcome([*BASE, *extra])
     cfg = outcome.scenario.cfg
     t = step_time(outcome.profile, outcome.plan, 1, rest_flops(cfg, outcome.profile), 400.0,
                   512, 1)
     torch.manual_seed(0)
-    model = build_llama(llama_args(cfg.model), device="cpu")
+    model = build_on_meta(cfg.model)
+    materialize(model, torch.device("cpu"), seed=0)
+    # A frozen embedding leaves the first block's input without a gradient, so its input-side
+    # base linears run no backward at all (1/blocks of them; step_time.py counts every block
+    # alike): give the input its gradient, as every later block's has (a lookup: no FLOPs).
+    model.tok_embeddings.weight.requires_grad_(True)
     task = task_for(cfg.model, cfg.data, cfg.checkpointing)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1))
     counter = FlopCounterMode(display=False, custom_mapping={_FLASH_CPU: _attention_flops})

@@ -37,6 +37,7 @@ from checkpointing.head import SeeInsideHead
 from checkpointing.planner.attention_workspace import workspace_rule
 from checkpointing.planner.meta_attention import ATTENTION_FLOPS
 from checkpointing.planner.meta_attention import fused_on_meta, lower_right_on_meta
+from checkpointing.planner.linear_flops import LinearFlops
 from checkpointing.query_tiles import lower_right_attention
 from checkpointing.planner.profile import OPTIONS, trace_on_meta
 from checkpointing.meter import SavedBytesMeter
@@ -148,6 +149,11 @@ class BlockMeasure:
     # recomputes them once more, tile by tile, whatever the block's own recompute option.
     tile_flops: int = 0
     workspace_bytes: int = 0  # the GPU attention kernel's backward workspace (in peak_bytes)
+    frozen_flops: int = 0  # of forward_flops: frozen linears', one matmul in backward
+
+    def step_flops(self) -> float:
+        """Forward and backward (step_time.py's rule), without recompute and tiles."""
+        return 3 * self.forward_flops + 0.5 * self.attention_flops - self.frozen_flops
 
     def small_bytes(self, option: str, min_bytes: int) -> int:
         """What stays on the device when `option`'s saved storages are offloaded."""
@@ -252,34 +258,35 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, save_ops: Sequenc
         saved[option] = meter.bytes
         sizes[option] = tuple(meter.sizes)
         peak[option] = max(forward_peak, backward_peak)
-    forward_flops, saved_op_flops, tile_flops, attention_flops = _forward_flops(
+    forward_flops, saved_op_flops, tile_flops, attention_flops, frozen = _forward_flops(
         block, args, kwargs, save_op_names, like_cpu)
     recompute = {"none": 0, "full": forward_flops,
                  "selective": max(0, forward_flops - saved_op_flops)}
     return BlockMeasure(saved_bytes=saved, peak_bytes=peak, forward_flops=forward_flops,
                         recompute_flops=recompute, storage_sizes=sizes, tile_flops=tile_flops,
-                        attention_flops=attention_flops,
+                        attention_flops=attention_flops, frozen_flops=frozen,
                         workspace_bytes=live.workspace_peak)
 
 
 def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: Sequence[str],
-                   like_cpu: bool = False) -> tuple[int, int, int, int]:
+                   like_cpu: bool = False) -> tuple[int, int, int, int, int]:
     """(all forward FLOPs, FLOPs of the ops selective checkpointing keeps, FLOPs inside its
-    sequence-tiled modules, attention's FLOPs) of one block."""
+    sequence-tiled modules, attention's FLOPs, frozen linears' FLOPs) of one block."""
     counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
+    linears = LinearFlops(block)
     tiled = [m for m in block.modules() if (getattr(m, "_blocktrain_tiles", None) or 1) > 1]
     inside = [0, 0]  # (FLOPs counted when the tiled module started, FLOPs inside them)
 
     def started(module, args):
-        inside[0] = counter.get_total_flops()
+        inside[0] = counter.get_total_flops() + linears.unseen
 
     def ended(module, args, output):
-        inside[1] += counter.get_total_flops() - inside[0]
+        inside[1] += counter.get_total_flops() + linears.unseen - inside[0]
 
     handles = [h for m in tiled for h in (m.register_forward_pre_hook(started),
                                           m.register_forward_hook(ended))]
     try:
-        with FusedAttentionOnMeta(like_cpu), counter, torch.no_grad():
+        with FusedAttentionOnMeta(like_cpu), counter, linears, torch.no_grad():
             block(*args, **kwargs)
     finally:
         for handle in handles:
@@ -289,7 +296,8 @@ def _forward_flops(block: nn.Module, args: tuple, kwargs: dict, save_op_names: S
     saved_flops = sum(n for op, n in by_op.items() if getattr(op, "__name__", str(op)) in kept
                       or str(op).split(".")[-1] in kept)
     attention = sum(by_op.get(op, 0) for op in ATTENTION_FLOPS)
-    return counter.get_total_flops(), saved_flops, inside[1], attention
+    total = counter.get_total_flops() + linears.unseen
+    return total, saved_flops, inside[1], attention, linears.frozen
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple:

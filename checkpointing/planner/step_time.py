@@ -6,7 +6,10 @@ summed over the step's micro-batches:
   forward      every block's forward FLOPs; attention counted causally (each query attends to
                the keys before it: half the T x T matmuls, meta_attention.attention_flops)
   backward     2 x the forward of the matmuls, 2.5 x the forward of attention (the flash
-               backward's five T x T matmuls against the forward's two)
+               backward's five T x T matmuls against the forward's two), 1 x the forward of a
+               frozen linear (a LoRA base: no weight gradient; linear_flops.py). A frozen
+               embedding leaves the first block's input without gradient, so there its
+               input-side frozen linears run no backward at all: not counted (1/blocks)
   recompute    the forward FLOPs each block's recompute option runs again in backward
   tiles        the tiled modules' forward once more in backward (checkpointing/tiles.py)
   rest         embedding, output layer and loss, forward and backward (the caller's count)
@@ -72,20 +75,20 @@ def step_time(profile, plan: Sequence, micro_batches: int, rest_flops: float, tf
     from checkpointing.planner.memory import moved_bytes
 
     per_flop = 1.0 / (tflops * 1e12)
-    forward = attention = recompute = tiles = sent = offload = 0.0
+    forward = attention = frozen = recompute = tiles = sent = offload = 0.0
     for measure, step in zip(profile.blocks, plan, strict=True):
-        block_attention = getattr(measure, "attention_flops", 0)
         forward += measure.forward_flops
-        attention += block_attention
+        attention += measure.attention_flops
+        frozen += measure.frozen_flops
         recompute += measure.recompute_flops[step.recompute]
         tiles += measure.tile_flops
         exchanges = 2 + (step.recompute != "none")
         sent += exchanges * profile.sent_bytes_per_block
         if offload_s_per_byte and offload_min_bytes is not None and step.offload != "none":
-            block_s = (3 * measure.forward_flops + 0.5 * block_attention) * per_flop
+            block_s = measure.step_flops() * per_flop
             moved = moved_bytes(measure, step, offload_min_bytes)
             offload += max(0.0, moved * offload_s_per_byte - block_s)
-    backward = 2 * forward + 0.5 * attention
+    backward = 2 * forward + 0.5 * attention - frozen
     n = micro_batches
     compute_s = (forward + backward + recompute + tiles + rest_flops) * n * per_flop
     a2a_s = sent * n / all_to_all_bytes_per_s if all_to_all_bytes_per_s and sent else 0.0

@@ -123,8 +123,7 @@ def flop_timing(evaluator: Evaluator) -> Timer:
         rest = rest_flops(cfg, profile, degree) * spf
         timing = Timing(tuple({o: f * spf for o, f in m.recompute_flops.items()}
                               for m in profile.blocks),
-                        tuple((3 * m.forward_flops + 0.5 * m.attention_flops) * spf
-                              for m in profile.blocks), rest,
+                        tuple(m.step_flops() * spf for m in profile.blocks), rest,
                         NOMINAL_SECONDS_PER_BYTE.get(cfg.offload.target))
         return with_sequence_costs(timing, profile, scenario, spf), None
     return timer
@@ -161,6 +160,8 @@ def rest_flops(cfg: Config, profile, degree: int = 1) -> float:
     where it gathers them; a classifier's one pooled token per sample). The embedding is a
     lookup; norms and the loss are elementwise. (Not the model's conventional count less the
     blocks': that counts attention without its causal mask, and the blocks' count has it.)"""
+    from torch import nn
+
     from trainer.build import build_on_meta
     from trainer.task import task_for
 
@@ -168,10 +169,15 @@ def rest_flops(cfg: Config, profile, degree: int = 1) -> float:
     model = build_on_meta(cfg.model)
     head = set(profile.head.grad_param_names)
     matmul = sum(p.numel() for n, p in model.named_parameters() if n in head and p.dim() == 2)
+    # A frozen output layer (LoRA's base) has no weight gradient: 4 FLOPs per weight and token.
+    frozen = sum(m.weight.numel() for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and not m.weight.requires_grad
+                 and not n.startswith(tuple(f"{b}." for b in profile.block_names)))
     tokens = task.head_rows_per_sample
     # A rank of a sequence group computes 1/N of each sample (its tokens), and 1/M more of it
     # in a ring of M (sharding.context).
-    return 6.0 * matmul * tokens / (degree * cfg.sharding.context) * cfg.train.micro_batch_size
+    return ((6.0 * matmul + 4.0 * frozen) * tokens / (degree * cfg.sharding.context)
+            * cfg.train.micro_batch_size)
 
 
 # checkpointing.tiles=auto tries 1, 2, 4, ... up to this many tiles (or one token per tile).

@@ -84,7 +84,7 @@ def device_timer(device: torch.device, repeats: int, run_dir: str, rank: int) ->
         profiles = [dataclasses.replace(p, working_bytes=dict(m.peak_bytes))
                     for p, m in zip(profiles, profile.blocks)]
         compute = sum(p.compute_s for p in profiles)
-        block_flops = 3 * sum(m.forward_flops for m in profile.blocks)
+        block_flops = sum(3 * m.forward_flops - m.frozen_flops for m in profile.blocks)
         rest = rest_flops(cfg, profile, degree) * (compute / block_flops if block_flops else 0.0)
         o = cfg.offload
         per_byte = None

@@ -129,7 +129,7 @@ def block_profiles(profile: MetaProfile, seconds_per_flop: float) -> list[BlockP
     """The planner's inputs as the trainer builds them, with recompute time from FLOPs."""
     return [BlockProfile(saved_bytes=dict(m.saved_bytes),
                          cost_s={o: f * seconds_per_flop for o, f in m.recompute_flops.items()},
-                         compute_s=3 * m.forward_flops * seconds_per_flop,
+                         compute_s=(3 * m.forward_flops - m.frozen_flops) * seconds_per_flop,
                          storage_sizes=dict(m.storage_sizes), working_bytes=dict(m.peak_bytes))
             for m in profile.blocks]
 

@@ -99,6 +99,10 @@ class NF4Linear(nn.Module):
                              self.scaler_block_size, self.nf4_scalers, self.nf4_factor,
                              self.nf4_mean.reshape(()), self.nf4_data, self.nf4_table)
 
+    def meta_linear_flops(self, x: torch.Tensor) -> int:
+        """The matmul its meta forward leaves out (checkpointing/planner/linear_flops.py)."""
+        return 2 * (x.numel() // self.in_features) * self.in_features * self.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "meta":  # the memory model's trace: shapes only
             return x.new_empty((*x.shape[:-1], self.out_features))
