@@ -28,9 +28,13 @@ core by itself (Rust threads) in `plain` and `ours_1` alike; the `datasets` work
 run it in one thread each. So num_proc 2 can gain only on the rest of the work: each data's
 line says the share of `ours_1`'s CPU time its tokenizer threads took beyond the main thread, and
 the most num_proc 2 could give over 1 on this machine's cores were its fixed costs nothing (the
-main thread's work split across the cores, the tokenizer threads' already split). Use --chats
-20000 --texts 20000 to see the scaling with `datasets`' fixed costs (a pool and a manager
-process forked, the function pickled to each, the shards' files joined) amortized.
+workers splitting `ours_1t`'s CPU time between them; `ours_1` has only its main thread's to
+split: its tokenizer threads' is split already). Use --chats 20000 --texts 20000 to see the
+scaling with `datasets`' fixed costs (a pool and a manager process forked, the function pickled
+to each, the shards' files joined) amortized. Runs before 2026-12-05 17:00 UTC held every
+num_proc 1 run after the first num_proc 2 one to one tokenizer thread (`datasets` left
+TOKENIZERS_PARALLELISM=false in the process: trainer/data/map_procs.py): their num_proc 2 / 1
+beyond the first data's is over a one-thread num_proc 1.
 
 The last two lines say whether the targets are met: ours_1 >= 50% of plain on every data (a
 ratio within one run, which a load falling on both contenders leaves fair), and num_proc 2 >=
@@ -206,11 +210,12 @@ def main(argv=None) -> dict:
     return results
 
 
-def _bound(one: dict, cores: int) -> float:
-    """The most num_proc=`cores` could give over `one` (an ours_1 row) with no fixed costs:
-    the main thread's CPU split across the cores, its tokenizer threads' already split."""
-    main, threads = one["main_cpu"], one["threads_cpu"]
-    return (main + threads / cores) / max((main + threads) / cores, 1e-9)
+def _bound(one: dict, lone: dict, cores: int) -> float:
+    """The most num_proc=`cores` could give over `one` (the ours_1 row) with no fixed costs:
+    `one` takes its main thread's CPU plus its tokenizer threads' split across the cores;
+    the workers at best split the one-thread run's (`lone`, ours_1t) CPU across them."""
+    alone = one["main_cpu"] + one["threads_cpu"] / cores
+    return alone / max((lone["main_cpu"] + lone["threads_cpu"]) / cores, 1e-9)
 
 
 def _scaling(result: dict) -> str:
@@ -219,8 +224,8 @@ def _scaling(result: dict) -> str:
     cores = min(2, os.cpu_count() or 1)
     return (f"num_proc 2 / 1: {one['s'] / two['s']:.2f}x (num_proc 1's tokenizer threads took "
             f"{one['threads_cpu'] / max(cpu, 1e-9):.0%} of its CPU: at most "
-            f"{_bound(one, cores):.2f}x on {cores} cores with no fixed costs); over num_proc 1 "
-            f"held to one tokenizer thread: {lone['s'] / two['s']:.2f}x")
+            f"{_bound(one, lone, cores):.2f}x on {cores} cores with no fixed costs); over "
+            f"num_proc 1 held to one tokenizer thread: {lone['s'] / two['s']:.2f}x")
 
 
 def _verdict(results: dict, before: float) -> None:
