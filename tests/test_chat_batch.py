@@ -114,6 +114,30 @@ def test_preparing_again_leaves_no_copy_of_the_data_behind(tmp_path, monkeypatch
     assert hf[0] == hf[1] == hf[2], [p for p in hf[-1] if p not in hf[0]]
 
 
+def test_preparing_in_two_processes_leaves_the_fast_tokenizer_its_threads(tmp_path,
+                                                                       monkeypatch) -> None:
+    """`datasets`' map(num_proc=2) set TOKENIZERS_PARALLELISM=false in the process's own
+    environment and put back only a copy of `os.environ`: every later batch call of a fast
+    tokenizer in the process then ran in one thread (the benchmark's num_proc 1 runs after its
+    first num_proc 2 one included). A child process inherits the process's environment."""
+    import os
+    import subprocess
+    import sys
+
+    read = [sys.executable, "-c", "import os; print(os.environ.get('TOKENIZERS_PARALLELISM'))"]
+    tokenizer = str(make_tokenizer(tmp_path / "tok"))
+    path = write_jsonl(tmp_path / "d.jsonl", chat_records(300, seed=4))
+    for name, was in (("unset", None), ("set", "true")):
+        if was is None:
+            monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+        else:
+            monkeypatch.setenv("TOKENIZERS_PARALLELISM", was)
+        _prepare(tmp_path, name, path, tokenizer, "chat", 2)
+        assert os.environ.get("TOKENIZERS_PARALLELISM") == was
+        seen = subprocess.run(read, capture_output=True, text=True, check=True).stdout.strip()
+        assert seen == str(was), name
+
+
 @pytest.mark.parametrize("case", ["jsonl null", "jsonl number", "parquet null",
                                   "parquet numbers"])
 def test_text_that_is_null_or_a_number_is_named_and_skippable(tmp_path, case) -> None:

@@ -160,6 +160,29 @@ def test_sigusr1_while_the_map_workers_run_is_one_line_and_75(tmp_path) -> None:
     _no_temp_folder(tmp_path)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux: prctl")
+def test_a_trainer_killed_outright_while_its_map_workers_run_leaves_none(tmp_path) -> None:
+    """data.num_proc=2, SIGKILL to the trainer while `datasets`' workers tokenize (one stuck
+    on a record): the workers and the manager, in process groups of their own, went on
+    (the stuck one spinning a core) until killed by hand."""
+    overrides, _ = _data(tmp_path, STUCK, num_proc=2)
+    run, workers = _start(tmp_path, overrides), []
+    try:
+        _until(lambda: _tokenizing(tmp_path) and len(_workers(run)) >= 3, run,
+               "the map workers and the manager")
+        workers = _workers(run)
+        run.kill()
+        run.wait(timeout=SLOW)  # not its pipes: a survivor would hold them open
+        _gone(workers)
+    finally:
+        run.kill()
+        for pid in workers:  # what survived a failing run: not left spinning
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.stdout.close()
+        run.stderr.close()
+
+
 def _gone(workers: list[int]) -> None:
     deadline = time.monotonic() + 10  # an orphaned worker is reaped by init, a moment later
     while [pid for pid in workers if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:

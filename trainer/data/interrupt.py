@@ -16,6 +16,10 @@ will not come) over our stop: the stop is found in the exception's context, so i
 line and the status. What the block started and is
 still running when it ends (the manager, when the stop came while `datasets` handled a result
 outside the generator that shuts it down) is ended there: the exit would wait for it.
+Out of this process's group, they would outlive it were it killed outright (SIGKILL, which no
+handler sees): on Linux each asks the kernel for SIGKILL when the thread that forked it ends
+(prctl PR_SET_PDEATHSIG; the pool and the manager are forked by the main thread), so they end
+with this process; elsewhere they are left to the scheduler's clean-up.
 """
 
 from __future__ import annotations
@@ -53,6 +57,32 @@ class _Stopped(BaseException):
 
 
 _preparing = False  # inside stop_signals' block: a process forked now is a worker of ours
+_forker = 0  # the pid that last forked (set before each fork): a worker's parent
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _prctl():
+    """libc's prctl on Linux (found once, here, not in each worker); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no libc to ask: left to the scheduler's clean-up
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the thread that forked it ends; at once if the
+    parent is already gone (it died between the fork and the request)."""
+    if _PRCTL is None or _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if os.getppid() != _forker:
+        os._exit(128 + signal.SIGKILL)
 
 
 def _quiet_worker() -> None:
@@ -64,6 +94,7 @@ def _quiet_worker() -> None:
     the dead that then waited for the lock too."""
     if not _preparing:
         return
+    _die_with_parent()
     try:
         os.setpgid(0, 0)
         for number in STOPS:
@@ -102,7 +133,8 @@ _deferred: list = []  # stops that came meanwhile
 
 
 def _fork_begins() -> None:
-    global _forking
+    global _forking, _forker
+    _forker = os.getpid()
     _forking = _preparing and threading.current_thread() is threading.main_thread()
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from trainer.data.chat import ChatError
 from trainer.data.chat_batch import chat_batch
 from trainer.data.formats import FormatError, conversation, record_name
+from trainer.data.map_procs import tokenizer_threads_kept
 from trainer.data.packing import (best_fit_bins, bin_window, concat_count, concat_windows,
                                   fit_length, write_windows)
 from trainer.data.records import BadRecords, checked_files
@@ -133,11 +134,12 @@ def tokenize(records, tokenizer, settings: DocSettings, progress: Optional[_Prog
             progress.update(len(out["ids"]), sum(out["length"]))
         return out
 
-    return records.map(encode_and_count, batched=True, batch_size=BATCH, with_indices=True,
-                       remove_columns=records.column_names, load_from_cache_file=False,
-                       keep_in_memory=False, num_proc=procs if procs > 1 else None,
-                       desc="tokenizing", new_fingerprint=_fingerprint(records, settings),
-                       cache_file_name=arrow)
+    with tokenizer_threads_kept():  # `datasets` leaves them at one
+        return records.map(encode_and_count, batched=True, batch_size=BATCH, with_indices=True,
+                           remove_columns=records.column_names, load_from_cache_file=False,
+                           keep_in_memory=False, num_proc=procs if procs > 1 else None,
+                           desc="tokenizing", new_fingerprint=_fingerprint(records, settings),
+                           cache_file_name=arrow)
 
 
 def _fingerprint(records, settings: DocSettings) -> str:
