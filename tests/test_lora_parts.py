@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import spawn
-from tests.test_sequence_runs import HF_LLAMA, TOLERANCE, chat, work  # noqa: F401 (a fixture)
+from tests.test_sequence_runs import HF_LLAMA, TOLERANCE, _worst, chat
+from tests.test_sequence_runs import work  # noqa: F401 (a fixture)
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 N1 = ["train.micro_batch_size=2", "train.eval_batches=1"]
@@ -171,12 +172,6 @@ def _print_worst(name, got, want) -> float:
     worst = _worst(got["grads"], want["grads"])
     print(f"{name}: loss {got['loss']!r} vs {want['loss']!r}, worst gradient {worst:.2e}")
     return worst
-
-
-def _worst(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys()
-    return max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-30)).item()
-               for n in want)
 
 
 # An adapter's gradient is one sum over every token of a product of two rank-4 factors: split

@@ -13,6 +13,11 @@ from __future__ import annotations
 from torch import nn
 
 
+def matmul_flops(x, in_features: int, out_features: int) -> int:
+    """A linear layer's forward FLOPs on input `x` (its last dim in_features)."""
+    return 2 * (x.numel() // in_features) * in_features * out_features
+
+
 class LinearFlops:
     """Forward hooks on `block`'s linears while inside `with`: `.unseen` and `.frozen` FLOPs."""
 
@@ -29,8 +34,7 @@ class LinearFlops:
             self.unseen += flops
             self.frozen += flops
         elif not module.weight.requires_grad:
-            self.frozen += 2 * (args[0].numel() // module.in_features) * module.in_features \
-                * module.out_features
+            self.frozen += matmul_flops(args[0], module.in_features, module.out_features)
 
     def __enter__(self) -> "LinearFlops":
         for module in self.block.modules():

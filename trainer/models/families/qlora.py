@@ -101,7 +101,9 @@ class NF4Linear(nn.Module):
 
     def meta_linear_flops(self, x: torch.Tensor) -> int:
         """The matmul its meta forward leaves out (checkpointing/planner/linear_flops.py)."""
-        return 2 * (x.numel() // self.in_features) * self.in_features * self.out_features
+        from checkpointing.planner.linear_flops import matmul_flops
+
+        return matmul_flops(x, self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "meta":  # the memory model's trace: shapes only
