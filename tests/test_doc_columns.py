@@ -84,3 +84,12 @@ def test_tokenizing_pauses_the_collector_and_leaves_it_as_it_found_it(tmp_path, 
     assert seen == [False]
     assert docs["usable"] == [n != 4 for n in range(20)]
     assert all(length >= 2 for length in docs["length"])
+
+
+def test_whole_columns_are_the_rows_values_after_a_select(docs) -> None:
+    from trainer.data.doc_columns import column, listed
+
+    lengths = column(docs, "length")
+    assert lengths.tolist() == [docs[i]["length"] for i in range(len(docs))]
+    assert lengths.tolist() == [1, 5, 9, 6, 0, 7, 3, 2, 8, 1, 4]
+    assert listed(docs, "ids") == [docs[i]["ids"] for i in range(len(docs))]

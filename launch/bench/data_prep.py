@@ -73,6 +73,7 @@ def _plain_text(tokenizer, texts: list) -> int:
 
 
 def _ours(records, tokenizer, kind: str, num_proc: int, one_thread: bool = False) -> int:
+    from trainer.data.doc_columns import column
     from trainer.data.sources import DocSettings
     from trainer.data.tokenize_docs import tokenize
 
@@ -86,7 +87,7 @@ def _ours(records, tokenizer, kind: str, num_proc: int, one_thread: bool = False
             del os.environ[PARALLELISM]
         elif one_thread:
             os.environ[PARALLELISM] = was
-    return int(sum(docs["length"]))
+    return int(column(docs, "length").sum())
 
 
 def _before(tokenizer, conversations: list) -> int:

@@ -1,5 +1,5 @@
 """Tokenized documents (a `datasets.Dataset` with `ids` and `sup` list columns) read back for
-packing as numpy slices of their Arrow columns.
+packing as numpy slices of their Arrow columns, and their other columns read whole.
 
 Reading them by `datasets`' row access made Python lists of every token and then numpy arrays
 of those lists, one query per window: 2.2 s of the 26 s that 20,000 conversations took to
@@ -15,6 +15,17 @@ import numpy as np
 
 Doc = tuple[np.ndarray, np.ndarray]  # token ids [n] (int64), supervised [n] (bool)
 BINS_AT_ONCE = 256  # windows whose documents one take reads: bounds the memory it holds
+
+
+def column(docs, name: str) -> np.ndarray:
+    """One column of scalars (`length`, `usable`) as numpy, read through Arrow. `docs[name]` is
+    a lazy column that numpy reads a row at a time: 1.7 s for 100,000 rows (datasets 5.2)."""
+    return docs.with_format("arrow")[name].to_numpy()
+
+
+def listed(docs, name: str) -> list:
+    """A column of lists (`bad`) as Python lists, read through Arrow."""
+    return docs.with_format("arrow")[name].to_pylist()
 
 
 def _flat(table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from trainer.data.chat import ChatError
 from trainer.data.chat_batch import chat_batch
-from trainer.data.doc_columns import docs_in_bins, iter_docs
+from trainer.data.doc_columns import column, docs_in_bins, iter_docs, listed
 from trainer.data.formats import FormatError, conversation, record_name
 from trainer.data.map_procs import tokenizer_threads_kept
 from trainer.data.packing import (best_fit_bins, bin_window, concat_count, concat_windows,
@@ -182,9 +182,9 @@ def _fingerprint(records, settings: DocSettings) -> str:
 def _usable(docs, bad_here: int):
     """The documents worth a window (`usable`, found while tokenizing), and why the others are
     not (`bad_here`: this split's skipped bad records, which come out empty)."""
-    usable = np.asarray(docs["usable"], dtype=bool)
+    usable = column(docs, "usable")
     kept = docs.remove_columns("usable").select(np.flatnonzero(usable))
-    short = int((np.asarray(docs["length"]) < 2).sum()) - bad_here
+    short = int((column(docs, "length") < 2).sum()) - bad_here
     return kept, {"under_two_tokens": short, "bad_records": bad_here,
                   "no_assistant_turn": len(docs) - len(kept) - short - bad_here}
 
@@ -222,7 +222,7 @@ def _tokenized_split(where: str, key: str, tokenizer, settings: DocSettings, cle
     finally:
         if progress is not None:
             progress.close()
-    skipped = [b for b in docs["bad"] if b]
+    skipped = [b for b in listed(docs, "bad") if b]
     for where_, why in skipped:
         bad.add(where_, why)
     return docs.remove_columns("bad"), len(skipped)
@@ -273,7 +273,8 @@ def prepare(work: str, path: str, val_path: Optional[str], tokenizer,
     meta = {"documents": raw, "skipped": raw - len(docs["train"]) - len(docs["val"]),
             "skipped_why": {k: sum(w[k] for w in why.values()) for k in why["train"]},
             "bad_records": bad.count, "bad_record_examples": bad.examples,
-            "tokens": int(sum(docs["train"]["length"]) + sum(docs["val"]["length"])),
+            "tokens": int(column(docs["train"], "length").sum()
+                          + column(docs["val"], "length").sum()),
             "tokenize_s": tokenize_s, "settings": settings.__dict__}
     for split in ("train", "val"):
         meta[split] = pack_split(os.path.join(work, split), docs[split], settings.seq_len, pad,
@@ -301,7 +302,7 @@ def pack_split(folder: str, docs, seq_len: int, pad_id: int, settings: DocSettin
                key: str = "data.path") -> dict:
     """Pack one split's tokenized documents (columns ids, sup) into `folder` (`key`: the
     setting that names where they came from)."""
-    lengths = np.asarray(docs["length"], dtype=np.int64) - 1  # training positions per doc
+    lengths = column(docs, "length").astype(np.int64) - 1  # training positions per doc
     if settings.kind == "text" and settings.packing:
         num = concat_count(lengths + 1, seq_len)
         windows = concat_windows(iter_docs(docs), seq_len, pad_id)
