@@ -18,6 +18,10 @@ pieces with the ▁ of a converted SentencePiece model); `data=text` uses the Ch
   `data.num_proc` 1 and 2.
 - `ours_1t`: `ours_1` with the fast tokenizer held to one thread (TOKENIZERS_PARALLELISM=false),
   as each `datasets` worker of `ours_2` runs it: not how a user runs one process, a reference.
+- `whole_1`, `whole_2`: the whole preparation a run waits for before its first step
+  (trainer/data/tokenize_docs.py's `prepare`: the jsonl file read, tokenized as `ours`, unusable
+  documents left out, validation held out, packed into 2,048-token windows and written), at
+  `data.num_proc` 1 and 2; its tokens are those kept (no `same`: the plain call keeps all).
 - `before` (chat, the first --before records): the per-conversation way (trainer/data/chat.py's
   `chat_tokens`), which the preparation used until 2026-12-04.
 
@@ -40,7 +44,8 @@ The last two lines say whether the targets are met: ours_1 >= 50% of plain on ev
 ratio within one run, which a load falling on both contenders leaves fair), and num_proc 2 >=
 1.7x num_proc 1 (as a user runs one process: with the tokenizer's threads), a figure only for
 idle cores (the line says the load before the run; on a shared machine it is not a timing
-figure); the same over `ours_1t` follows it, labelled: not the target's figure.
+figure); the same over `ours_1t` follows it, labelled: not the target's figure, and the whole
+preparation's num_proc 2 over 1.
 """
 
 from __future__ import annotations
@@ -90,6 +95,19 @@ def _ours(records, tokenizer, kind: str, num_proc: int, one_thread: bool = False
     return int(column(docs, "length").sum())
 
 
+def _whole(path: Path, work: Path, tokenizer, kind: str, num_proc: int) -> int:
+    """The whole preparation a run waits for: read, tokenize, filter, hold out, pack, write."""
+    import shutil
+
+    from trainer.data.sources import DocSettings
+    from trainer.data.tokenize_docs import prepare
+
+    shutil.rmtree(work, ignore_errors=True)
+    meta = prepare(str(work), str(path), None, tokenizer, DocSettings(kind, 2048), num_proc)
+    shutil.rmtree(work, ignore_errors=True)
+    return int(meta["tokens"])
+
+
 def _before(tokenizer, conversations: list) -> int:
     from trainer.data.chat import chat_tokens
 
@@ -105,8 +123,10 @@ def _timed(run) -> tuple[float, int, float, float]:
     return time.perf_counter() - started, tokens, main, time.process_time() - cpu - main
 
 
-def bench_one(name: str, tokenizer, records, rows: list, repeats: int, before: int) -> dict:
-    """Best seconds and tokens of each contender on `records` (a datasets.Dataset of `rows`)."""
+def bench_one(name: str, tokenizer, records, rows: list, repeats: int, before: int,
+              path: Path) -> dict:
+    """Best seconds and tokens of each contender on `records` (a datasets.Dataset of `rows`,
+    read from the jsonl file `path`)."""
     kind = "text" if name == "text" else "chat"
     payload = ([r["text"] for r in rows] if kind == "text"
                else [r["messages"] for r in rows])
@@ -115,6 +135,8 @@ def bench_one(name: str, tokenizer, records, rows: list, repeats: int, before: i
         "ours_1": lambda: _ours(records, tokenizer, kind, 1),
         "ours_2": lambda: _ours(records, tokenizer, kind, 2),
         "ours_1t": lambda: _ours(records, tokenizer, kind, 1, one_thread=True),
+        "whole_1": lambda: _whole(path, path.parent / "work", tokenizer, kind, 1),
+        "whole_2": lambda: _whole(path, path.parent / "work", tokenizer, kind, 2),
     }
     if kind == "chat":
         contenders["before"] = lambda: _before(tokenizer, payload[:before])
@@ -136,9 +158,10 @@ def _records(root: Path, name: str, rows: list):
 
     from trainer.data.demo import write_jsonl
 
-    path = write_jsonl(root / f"{name}.jsonl", rows)
+    (root / name).mkdir()
+    path = write_jsonl(root / name / "records.jsonl", rows)
     return datasets.load_dataset("json", data_files=str(path), split="train",
-                                 cache_dir=str(root / "hf"))
+                                 cache_dir=str(root / "hf")), path
 
 
 def _tokenizer(root: Path, shape: str, vocab: int, rows: list):
@@ -191,13 +214,13 @@ def main(argv=None) -> dict:
           f"{'tokens':>11} {'same':>5}")
     results = {}
     for name, tokenizer in tokenizers.items():
-        records = _records(root, name, rows[name])
+        records, path = _records(root, name, rows[name])
         result = results[name] = bench_one(name, tokenizer, records, rows[name], args.repeats,
-                                           args.before)
+                                           args.before, path)
         plain = result["plain"]
         extra = len(rows[name]) if name == "text" else 0  # ours adds eos to each document
         for label, row in result.items():
-            same = ("" if label == "before" else
+            same = ("" if label == "before" or label.startswith("whole") else
                     "yes" if row["tokens"] == plain["tokens"] + (extra if "ours" in label else 0)
                     else "NO")
             print(f"{name:<8} {label:<8} {row['docs_per_s']:>9,.0f} {row['tokens_per_s']:>11,.0f} "
@@ -247,6 +270,10 @@ def _verdict(results: dict, before: float) -> None:
     lone = {name: r["ours_1t"]["s"] / r["ours_2"]["s"] for name, r in results.items()}
     print("  not the target's figure: num_proc 2 over num_proc 1 held to one tokenizer thread: "
           + ", ".join(f"{n} {v:.2f}x" for n, v in lone.items()))
+    whole = {name: r["whole_1"]["s"] / r["whole_2"]["s"] for name, r in results.items()}
+    print("  the whole preparation (read, tokenize, pack, write), num_proc 2 over 1: "
+          + ", ".join(f"{n} {v:.2f}x ({r['whole_1']['s']:.1f} s -> {r['whole_2']['s']:.1f} s)"
+                      for (n, v), r in zip(whole.items(), results.values())))
 
 
 if __name__ == "__main__":
