@@ -3,7 +3,7 @@ packing as numpy slices of their Arrow columns, and their other columns read who
 
 Reading them by `datasets`' row access made Python lists of every token and then numpy arrays
 of those lists, one query per window: 2.2 s of the 26 s that 20,000 conversations took to
-prepare (2026-12-06). Here many windows' documents come from one Arrow take, and each document
+prepare (2026-12-05). Here many windows' documents come from one Arrow take, and each document
 is a view into its flattened column, with no Python object per token.
 """
 
@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-Doc = tuple[np.ndarray, np.ndarray]  # token ids [n] (int64), supervised [n] (bool)
+from trainer.data.packing import Doc
 BINS_AT_ONCE = 256  # windows whose documents one take reads: bounds the memory it holds
 
 

@@ -154,7 +154,7 @@ def _collector_paused() -> Iterator[None]:
     """Python's cycle collector off while a batch is encoded. A batch makes some 10^5 small
     objects (offsets, masks) that all live until it returns; each collection the allocations
     set off walked them and the rest of the heap for nothing: 28% of the main thread's time
-    (8,000 ChatML conversations, 2026-12-06). What a batch leaves in cycles is collected after."""
+    (8,000 ChatML conversations, 2026-12-05). What a batch leaves in cycles is collected after."""
     was = gc.isenabled()
     gc.disable()
     try:
