@@ -120,3 +120,63 @@ def test_report_prints_and_writes_the_step_time(tmp_path) -> None:
     assert data["tokens_per_s_per_node"] == pytest.approx(expected.tokens_per_s_per_node)
     assert data["step_time"]["tflops"] == 50.0
     assert f"at a nominal 50 TFLOP/s" in result.stdout and "per node of 2" in result.stdout
+
+
+def test_cpu_offload_copies_add_what_their_block_cannot_hide() -> None:
+    """sharding.cpu_offload: each block's copies over the host link cost only what exceeds the
+    block's compute (on top of an activation offload's own, which shares the link); the root
+    group's are never hidden."""
+    from checkpointing.planner.step_time import HostLink
+
+    o = _outcome([*BASE, "checkpointing=full"])
+    rest = rest_flops(o.scenario.cfg, o.profile)
+    per_flop = 1 / 100e12
+    block_s = [m.step_flops() * per_flop for m in o.profile.blocks]
+    base = step_time(o.profile, o.plan, 3, rest, 100.0, 512, 8)
+    spb = 1e-9
+    small = HostLink(tuple(int(0.5 * s / spb) for s in block_s), 1000, spb)  # hidden
+    big = HostLink(tuple(int(3 * s / spb) for s in block_s), 1000, spb)  # 2x each block over
+    hidden, over = (step_time(o.profile, o.plan, 3, rest, 100.0, 512, 8, host_link=h)
+                    for h in (small, big))
+    assert hidden.host_link_s == pytest.approx(3 * 1000 * spb)
+    assert over.host_link_s == pytest.approx(3 * (sum(b * spb - s for b, s in
+                                                      zip(big.block_bytes, block_s)) + 1e-6))
+    assert over.step_s == pytest.approx(base.step_s + over.host_link_s)
+    assert over.host_link_bytes == 3 * (sum(big.block_bytes) + 1000)
+    assert "sharding.cpu_offload copies not hidden" in step_lines(over)[0]
+    assert "cpu_offload" not in step_lines(base)[0]
+    # an activation offload that already fills the link: there every copy byte costs
+    from checkpointing.planner.memory import moved_bytes
+
+    off = _outcome([*BASE, "checkpointing=full", "offload=disk"])
+    alone = step_time(off.profile, off.plan, 1, rest, 100.0, 512, 8, offload_s_per_byte=1e-6,
+                      offload_min_bytes=0)
+    assert alone.offload_s > 0
+    both = step_time(off.profile, off.plan, 1, rest, 100.0, 512, 8, offload_s_per_byte=1e-6,
+                     offload_min_bytes=0, host_link=small)
+    assert both.offload_s == alone.offload_s
+    moved = [moved_bytes(m, p, 0) * 1e-6 for m, p in zip(off.profile.blocks, off.plan)]
+    assert sum(m > s for m, s in zip(moved, block_s)) >= 1  # some block's offload fills it
+    assert both.host_link_s == pytest.approx(1000 * spb + sum(
+        max(0.0, m + c * spb - s) - max(0.0, m - s)
+        for c, m, s in zip(small.block_bytes, moved, block_s)))
+    assert both.host_link_s > hidden.host_link_s / 3  # more than the root's alone
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_the_report_counts_cpu_offload_copies_per_group(reshard) -> None:
+    from trainer.preflight.step_report import host_link
+
+    assert host_link(_outcome(BASE, world=2)) is None
+    o = _outcome([*BASE, "sharding.cpu_offload=true",
+                  f"sharding.reshard_after_forward={str(reshard).lower()}"], world=2)
+    link = host_link(o)
+    groups = [g.bytes(2, 4, 4) for g in o.groups]  # fp32: stored and computed alike
+    gathers = 2 if reshard else 1
+    assert link.block_bytes == tuple(gathers * g.params + g.trained for g in groups[1:])
+    assert link.root_bytes == groups[0].params + groups[0].trained > 0
+    assert len(link.block_bytes) == len(o.plan) and min(link.block_bytes) > 0
+    step = outcome_step_time(o, 400.0)
+    assert step.host_link_bytes == (sum(link.block_bytes) + link.root_bytes) * len(
+        [0] * o.scenario.layout.grad_accum)
+    assert step.host_link_s >= link.root_bytes * link.s_per_byte

@@ -17,6 +17,11 @@ summed over the step's micro-batches:
 at a nominal FLOP rate (not measured: the report's --tflops), plus Ulysses' all-to-alls (the bytes
 a rank sends per block forward, measured on meta, at a stated bandwidth: twice per block, once
 more when it recomputes; not overlapped) and the offload transfers a block's compute cannot hide.
+With sharding.cpu_offload (FSDP2's CPUOffloadPolicy) each block's parameter shard also comes in
+from host memory before each of its all-gathers and its gradient shard goes out after each
+reduce-scatter, on the same link as the activation offload and hidden only behind the same
+block's compute; the root group's (embedding, head) copies are not hidden. Left out: the
+optimizer step that cpu_offload runs on the host, and an NF4 base's dequantization.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class StepTime:
     step_s: float
     tokens_per_rank: int  # per step: this rank's share of the tokens
     gpus_per_node: int
+    host_link_bytes: float = 0.0  # sharding.cpu_offload: parameters in, gradients out
+    host_link_s: float = 0.0  # of those copies, what compute does not hide (in step_s)
 
     @property
     def total_flops(self) -> float:
@@ -64,19 +71,31 @@ class StepTime:
                 "tokens_per_s_per_node": self.tokens_per_s_per_node}
 
 
+@dataclass(frozen=True)
+class HostLink:
+    """sharding.cpu_offload's copies per micro-batch on one rank, and the link's rate."""
+
+    block_bytes: tuple[int, ...]  # per block: parameter shard in per all-gather, gradient out
+    root_bytes: int  # the root group's (embedding, head): gathered once, not hidden
+    s_per_byte: float
+
+
 def step_time(profile, plan: Sequence, micro_batches: int, rest_flops: float, tflops: float,
               tokens_per_micro: int, gpus_per_node: int,
               all_to_all_bytes_per_s: Optional[float] = None,
               offload_s_per_byte: Optional[float] = None,
-              offload_min_bytes: Optional[int] = None) -> StepTime:
+              offload_min_bytes: Optional[int] = None,
+              host_link: Optional[HostLink] = None) -> StepTime:
     """The step of `plan` over `profile` (see the module docstring). rest_flops and
     tokens_per_micro: one micro-batch's, on this rank. all_to_all_bytes_per_s: where the
-    profile has Ulysses' exchange (None: no sequence parallelism)."""
+    profile has Ulysses' exchange (None: no sequence parallelism). host_link: what
+    sharding.cpu_offload copies per micro-batch (None: it is off)."""
     from checkpointing.planner.memory import moved_bytes
 
     per_flop = 1.0 / (tflops * 1e12)
-    forward = attention = frozen = recompute = tiles = sent = offload = 0.0
-    for measure, step in zip(profile.blocks, plan, strict=True):
+    forward = attention = frozen = recompute = tiles = sent = offload = linked = 0.0
+    link = host_link or HostLink((0,) * len(plan), 0, 0.0)
+    for measure, step, copies in zip(profile.blocks, plan, link.block_bytes, strict=True):
         forward += measure.forward_flops
         attention += measure.attention_flops
         frozen += measure.frozen_flops
@@ -84,10 +103,14 @@ def step_time(profile, plan: Sequence, micro_batches: int, rest_flops: float, tf
         tiles += measure.tile_flops
         exchanges = 2 + (step.recompute != "none")
         sent += exchanges * profile.sent_bytes_per_block
+        block_s, moved_s = measure.step_flops() * per_flop, 0.0
         if offload_s_per_byte and offload_min_bytes is not None and step.offload != "none":
-            block_s = measure.step_flops() * per_flop
-            moved = moved_bytes(measure, step, offload_min_bytes)
-            offload += max(0.0, moved * offload_s_per_byte - block_s)
+            moved_s = moved_bytes(measure, step, offload_min_bytes) * offload_s_per_byte
+        offload += max(0.0, moved_s - block_s)
+        # cpu_offload's copies share the link: what they add beyond the offload's own
+        linked += (max(0.0, moved_s + copies * link.s_per_byte - block_s)
+                   - max(0.0, moved_s - block_s))
+    linked += link.root_bytes * link.s_per_byte
     backward = 2 * forward + 0.5 * attention - frozen
     n = micro_batches
     compute_s = (forward + backward + recompute + tiles + rest_flops) * n * per_flop
@@ -98,8 +121,10 @@ def step_time(profile, plan: Sequence, micro_batches: int, rest_flops: float, tf
                     compute_s=compute_s, all_to_all_bytes=sent * n,
                     all_to_all_bytes_per_s=all_to_all_bytes_per_s if sent else None,
                     all_to_all_s=a2a_s, offload_s=offload * n,
-                    step_s=compute_s + a2a_s + offload * n,
-                    tokens_per_rank=tokens_per_micro * n, gpus_per_node=gpus_per_node)
+                    step_s=compute_s + a2a_s + (offload + linked) * n,
+                    tokens_per_rank=tokens_per_micro * n, gpus_per_node=gpus_per_node,
+                    host_link_bytes=(sum(link.block_bytes) + link.root_bytes) * n,
+                    host_link_s=linked * n)
 
 
 def step_lines(t: StepTime) -> list[str]:
@@ -111,7 +136,10 @@ def step_lines(t: StepTime) -> list[str]:
              + (f" + all-to-all {t.all_to_all_s:,.1f} s ({t.all_to_all_bytes / 2**30:,.1f} GiB "
                 f"sent at {t.all_to_all_bytes_per_s / 1e9:g} GB/s, not overlapped)"
                 if t.all_to_all_bytes_per_s else "")
-             + (f" + offload not hidden {t.offload_s:,.1f} s" if t.offload_s else ""),
+             + (f" + offload not hidden {t.offload_s:,.1f} s" if t.offload_s else "")
+             + (f" + sharding.cpu_offload copies not hidden {t.host_link_s:,.1f} s "
+                f"({t.host_link_bytes / 2**30:,.1f} GiB of parameters in and gradients out; "
+                "its optimizer step on the host not counted)" if t.host_link_bytes else ""),
              f"  PFLOP: forward {t.forward_flops * pf:,.2f} (attention, causal: "
              f"{t.attention_flops * pf:,.2f}), backward {t.backward_flops * pf:,.2f}, recompute "
              f"{t.recompute_flops * pf:,.2f}, tile re-forwards {t.tile_flops * pf:,.2f}, "

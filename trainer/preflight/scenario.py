@@ -87,6 +87,7 @@ class Outcome:
     groups: list[ParamGroup]
     budget: Optional[Budget]
     seconds_per_flop: float  # 1 / nominal throughput, for recompute seconds
+    setup: Optional[Setup] = None  # what the estimate was made for
 
 
 def with_changes(scenario: Scenario, world_size: Optional[int] = None, nodes: Optional[int] = None,
@@ -260,4 +261,4 @@ class Evaluator:
         plan = as_modelled(plan)  # what the tables and the picture show is what was estimated
         setup = self.setup(scenario)
         return Outcome(scenario, plan, estimate(groups, profile, plan, setup), profile, groups,
-                       budget, self.seconds_per_flop)
+                       budget, self.seconds_per_flop, setup)

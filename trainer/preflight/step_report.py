@@ -1,10 +1,15 @@
 """The report's whole-step time of an outcome (checkpointing/planner/step_time.py's arithmetic),
 with the nominal rates the report states: --tflops, the all-to-all bandwidth of a sequence group
-inside a node or across nodes, PCIe for offload (trainer/preflight/scenario.py's figures)."""
+inside a node or across nodes, PCIe for offload and sharding.cpu_offload's copies
+(trainer/preflight/scenario.py's figures)."""
 
 from __future__ import annotations
 
-from checkpointing.planner.step_time import StepTime, step_time
+from typing import Optional
+
+import torch
+
+from checkpointing.planner.step_time import HostLink, StepTime, step_time
 from trainer.preflight.auto_plan import rest_flops
 from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, NOMINAL_SECONDS_PER_BYTE
 from trainer.task import task_for
@@ -22,4 +27,21 @@ def outcome_step_time(outcome, tflops: float, device_type: str = "cuda") -> Step
                      rest_flops(cfg, profile, degree), tflops, tokens, sc.gpus_per_node,
                      NOMINAL_ALL_TO_ALL_BYTES_PER_S[inside] if degree > 1 else None,
                      NOMINAL_SECONDS_PER_BYTE.get(cfg.offload.target) if moves else None,
-                     cfg.offload.min_bytes if moves else None)
+                     cfg.offload.min_bytes if moves else None, host_link(outcome))
+
+
+def host_link(outcome) -> Optional[HostLink]:
+    """sharding.cpu_offload's copies per micro-batch (on a GPU; None where it is off): each
+    group's parameter shard in for each all-gather (a block's in forward, and in backward again
+    when resharded after forward; the root's once), its gradient shard out."""
+    setup = outcome.setup
+    if setup is None or not setup.cpu_offload:
+        return None
+    size = {dtype: torch.empty((), dtype=dtype, device="meta").element_size()
+            for dtype in (setup.orig_dtype, setup.param_dtype)}
+    shard = setup.shard if setup.mode != "none" else 1
+    counts = [g.bytes(shard, size[setup.orig_dtype], size[setup.param_dtype])
+              for g in outcome.groups]
+    gathers = 2 if setup.reshard_after_forward else 1
+    return HostLink(tuple(gathers * c.params + c.trained for c in counts[1:]),
+                    counts[0].params + counts[0].trained, NOMINAL_SECONDS_PER_BYTE["cpu"])
