@@ -8,6 +8,18 @@ import sys
 import pytest
 
 
+def pytest_configure(config):
+    """The tests that press Ctrl-C (SIGINT to a trainer or launch.run) need it to reach them. A
+    suite started as a background job of a shell without job control inherits SIGINT ignored,
+    and every process it starts would too (an ignored signal stays ignored across exec): those
+    tests then saw runs that never heard the Ctrl-C. A handler here does not cross exec, so the
+    processes the tests start get the default action, as from a terminal."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
