@@ -245,6 +245,18 @@ def fixed_phases(groups: Sequence[ParamGroup], profile: MetaProfile, setup: Setu
     return Fixed(tuple(blocks), head, embedding, step, host, params, grads_all, optimizer)
 
 
+def host_copies(groups: Sequence[ParamGroup], setup: Setup) -> tuple[tuple[int, ...], int]:
+    """sharding.cpu_offload's bytes per micro-batch, per block group and for the root group:
+    the parameter shard in for each all-gather (a block's in forward, and in backward again when
+    resharded after forward; the root's once), the gradient shard out."""
+    shard = setup.shard if setup.mode != "none" else 1
+    counts = [g.bytes(shard, _itemsize(setup.orig_dtype), _itemsize(setup.param_dtype))
+              for g in groups]
+    gathers = 2 if setup.reshard_after_forward else 1
+    return (tuple(gathers * c.params + c.trained for c in counts[1:]),
+            counts[0].params + counts[0].trained)
+
+
 def moved_bytes(measure: BlockMeasure, plan: BlockPlan, min_bytes: int) -> int:
     if plan.offload == "none":
         return 0

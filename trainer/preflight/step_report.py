@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
+from checkpointing.planner.memory import host_copies
 from checkpointing.planner.step_time import HostLink, StepTime, step_time
 from trainer.preflight.auto_plan import rest_flops
 from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, NOMINAL_SECONDS_PER_BYTE
@@ -31,17 +30,10 @@ def outcome_step_time(outcome, tflops: float, device_type: str = "cuda") -> Step
 
 
 def host_link(outcome) -> Optional[HostLink]:
-    """sharding.cpu_offload's copies per micro-batch (on a GPU; None where it is off): each
-    group's parameter shard in for each all-gather (a block's in forward, and in backward again
-    when resharded after forward; the root's once), its gradient shard out."""
+    """sharding.cpu_offload's copies per micro-batch (on a GPU; None where it is off), at the
+    nominal host link rate."""
     setup = outcome.setup
     if setup is None or not setup.cpu_offload:
         return None
-    size = {dtype: torch.empty((), dtype=dtype, device="meta").element_size()
-            for dtype in (setup.orig_dtype, setup.param_dtype)}
-    shard = setup.shard if setup.mode != "none" else 1
-    counts = [g.bytes(shard, size[setup.orig_dtype], size[setup.param_dtype])
-              for g in outcome.groups]
-    gathers = 2 if setup.reshard_after_forward else 1
-    return HostLink(tuple(gathers * c.params + c.trained for c in counts[1:]),
-                    counts[0].params + counts[0].trained, NOMINAL_SECONDS_PER_BYTE["cpu"])
+    blocks, root = host_copies(outcome.groups, setup)
+    return HostLink(blocks, root, NOMINAL_SECONDS_PER_BYTE["cpu"])
