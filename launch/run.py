@@ -36,8 +36,9 @@ import logging
 import os
 import signal
 import sys
-import time
 from typing import Optional, Sequence
+
+from launch.worker_signals import exited, send, send_once_started, wait_for_exit
 
 # How long the workers get to stop at once by themselves after a second Ctrl-C.
 STOP_AT_ONCE_S = 3.0
@@ -87,17 +88,18 @@ class Group:
             raise StoppedBeforeStart(sig)
         if sig == signal.SIGINT and self.stopping == signal.SIGINT:
             self.at_once = True
-            _send(pids.values(), signal.SIGINT)
+            send(pids.values(), signal.SIGINT)
             self.killed_rank0 = self._kill_after(pids, STOP_AT_ONCE_S) or self.killed_rank0
             return
         self.stopping = self.stopping or sig
-        _send(pids.values(), sig)
+        # Not into a worker's interpreter start: Python's own trace, status 1 (worker_signals).
+        send_once_started(pids.values(), sig)
 
     def _kill_after(self, pids: dict[int, int], seconds: float) -> bool:
         """SIGKILL the workers still running `seconds` from now; whether rank 0 was one."""
         wait_for_exit(pids.values(), seconds)
         running = [local for local, pid in pids.items() if not exited(pid)]
-        _send([pids[local] for local in running], signal.SIGKILL)
+        send([pids[local] for local in running], signal.SIGKILL)
         return 0 in running and self.group_rank() == 0
 
     def group_rank(self) -> int:
@@ -117,31 +119,6 @@ class StoppedBeforeStart(Exception):
     def __init__(self, sig: signal.Signals) -> None:
         super().__init__(sig.name)
         self.sig = sig
-
-
-def _send(pids, sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.killpg(pid, sig)  # each worker leads its own process group, as torchrun makes it
-        except ProcessLookupError:
-            pass
-
-
-def exited(pid: int) -> bool:
-    """Whether the worker has ended, without reaping it (the agent reads its status)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped already
-        return True
-
-
-def wait_for_exit(pids, seconds: Optional[float]) -> None:
-    """Until every pid has ended, or `seconds` (None: no limit; signals still act meanwhile)."""
-    deadline = None if seconds is None else time.monotonic() + seconds
-    while not all(exited(pid) for pid in pids):
-        if deadline is not None and time.monotonic() >= deadline:
-            return
-        time.sleep(0.05)
 
 
 def agent_class(group: Group):
