@@ -46,6 +46,15 @@ def env_stage() -> dict:
             info[name] = metadata.version(name)
         except Exception:
             info[name] = None
+    # sharding.cpu_offload's optimizer step runs on this host's CPU: the report's nominal rate
+    # (trainer/preflight/scenario.py) against this host's, all cores and one.
+    from launch.bench.host_adamw import step_seconds
+
+    numel = 64_000_000
+    info["host_adamw_ns_per_element"] = {
+        threads: round(step_seconds(numel, 16_000_000, threads, 3) / numel * 1e9, 3)
+        for threads in sorted({1, os.cpu_count() or 1})}
+    torch.set_num_threads(os.cpu_count() or 1)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(device=props.name, total_memory=props.total_memory,

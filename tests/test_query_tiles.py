@@ -24,6 +24,10 @@ from trainer.models.rope import rope_cos_sin
 ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64,
                  max_seq_len=64)
 BUILDERS = {"llama": build_llama, "qwen3": build_qwen3}
+# fp32 sums in another order, relative to the largest element: measured up to 1.02e-6 (Qwen3's
+# q_norm weight, 5 tiles, with 2 CPU threads; 9.1e-7 with 1, 3 or 4), so a test order that left
+# 2 threads failed a 1e-6 bound.
+GRAD_TOLERANCE = 2e-6
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -82,7 +86,8 @@ def _grads(model, tokens, positions=None) -> tuple[torch.Tensor, dict, int]:
 @pytest.mark.parametrize("model", sorted(BUILDERS))
 def test_tiled_model_equals_whole_attention(model: str, tiles: int, packed: bool) -> None:
     """Without attention dropout every block attends by query tiles (packed rows: the document
-    mask's rows of each tile): the loss and every gradient within 1e-6 of whole attention."""
+    mask's rows of each tile): the loss within 1e-6 of whole attention, every gradient within
+    GRAD_TOLERANCE."""
     plain, tiled = _pair(tiles, model)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 29), generator=generator)
@@ -94,7 +99,7 @@ def test_tiled_model_equals_whole_attention(model: str, tiles: int, packed: bool
     assert none == 0 and nodes == ARGS.n_layers
     assert _relative(got_loss, want_loss) <= 1e-6
     for name in want:
-        assert _relative(got[name], want[name]) <= 1e-6, name
+        assert _relative(got[name], want[name]) <= GRAD_TOLERANCE, name
 
 
 def test_gradients_are_bitwise_equal_across_policies_with_the_same_tiles() -> None:

@@ -5,6 +5,7 @@ all-to-all, and the report's lines and keys."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -180,3 +181,39 @@ def test_the_report_counts_cpu_offload_copies_per_group(reshard) -> None:
     assert step.host_link_bytes == (sum(link.block_bytes) + link.root_bytes) * len(
         [0] * o.scenario.layout.grad_accum)
     assert step.host_link_s >= link.root_bytes * link.s_per_byte
+
+
+def test_cpu_offload_host_optimizer_step_counts_once_per_step() -> None:
+    """sharding.cpu_offload's AdamW runs on the host over this rank's trained shard, once per
+    optimizer step whatever the micro-batches, and the device waits for it."""
+    from checkpointing.planner.step_time import HostLink
+
+    o = _outcome([*BASE, "checkpointing=full"])
+    rest = rest_flops(o.scenario.cfg, o.profile)
+    copies = HostLink((0,) * len(o.plan), 0, 1e-9)
+    stepping = HostLink((0,) * len(o.plan), 0, 1e-9, 10_000_000, 5e-9)
+    for micro in (1, 4):
+        without, with_step = (step_time(o.profile, o.plan, micro, rest, 100.0, 512, 8,
+                                        host_link=h) for h in (copies, stepping))
+        assert with_step.host_optimizer_s == pytest.approx(0.05)
+        assert with_step.step_s == pytest.approx(without.step_s + 0.05)
+    assert "host optimizer step 0.1 s (AdamW over 10.0 M elements" in step_lines(with_step)[0]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_report_steps_the_host_optimizer_over_the_trained_shard(lora) -> None:
+    """The elements the host's AdamW steps: the trained parameters' shard (padded as FSDP2 holds
+    it); with LoRA only the adapters."""
+    from trainer.preflight.scenario import NOMINAL_HOST_ADAMW_S_PER_ELEMENT
+    from trainer.preflight.step_report import host_link
+
+    extra = ["model.lora.rank=8"] if lora else []
+    o = _outcome([*BASE, *extra, "sharding.cpu_offload=true"], world=2)
+    link = host_link(o)
+    trained = sum(g.bytes(2, 4, 4).trained_gathered for g in o.groups) // 2
+    every = sum(math.prod(s) for g in o.groups for s in g.shapes)
+    assert link.optimizer_numel == trained > 0
+    assert (trained < every / 2 / 10) if lora else (trained >= every / 2)
+    step = outcome_step_time(o, 400.0)
+    assert step.host_optimizer_s == pytest.approx(trained * NOMINAL_HOST_ADAMW_S_PER_ELEMENT)
+    assert step.host_optimizer_s > 0

@@ -257,6 +257,13 @@ def host_copies(groups: Sequence[ParamGroup], setup: Setup) -> tuple[tuple[int, 
             counts[0].params + counts[0].trained)
 
 
+def host_optimizer_numel(groups: Sequence[ParamGroup], setup: Setup) -> int:
+    """The trained elements of this rank's shard (padded, as FSDP2 holds them): what the
+    optimizer steps over, on the host under sharding.cpu_offload."""
+    shard = setup.shard if setup.mode != "none" else 1
+    return sum(g.bytes(shard, 4, 4).trained_gathered for g in groups) // shard
+
+
 def moved_bytes(measure: BlockMeasure, plan: BlockPlan, min_bytes: int) -> int:
     if plan.offload == "none":
         return 0

@@ -20,8 +20,10 @@ more when it recomputes; not overlapped) and the offload transfers a block's com
 With sharding.cpu_offload (FSDP2's CPUOffloadPolicy) each block's parameter shard also comes in
 from host memory before each of its all-gathers and its gradient shard goes out after each
 reduce-scatter, on the same link as the activation offload and hidden only behind the same
-block's compute; the root group's (embedding, head) copies are not hidden. Left out: the
-optimizer step that cpu_offload runs on the host, and an NF4 base's dequantization.
+block's compute; the root group's (embedding, head) copies are not hidden; and the optimizer
+steps on the host, over this rank's trained shard, at a nominal host rate, once per step and not
+overlapped (the device waits for the parameters it updates). Left out: an NF4 base's
+dequantization.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class StepTime:
     gpus_per_node: int
     host_link_bytes: float = 0.0  # sharding.cpu_offload: parameters in, gradients out
     host_link_s: float = 0.0  # of those copies, what compute does not hide (in step_s)
+    host_optimizer_numel: int = 0  # sharding.cpu_offload: elements the host's optimizer steps
+    host_optimizer_s: float = 0.0  # that step, once per optimizer step (in step_s)
 
     @property
     def total_flops(self) -> float:
@@ -78,6 +82,8 @@ class HostLink:
     block_bytes: tuple[int, ...]  # per block: parameter shard in per all-gather, gradient out
     root_bytes: int  # the root group's (embedding, head): gathered once, not hidden
     s_per_byte: float
+    optimizer_numel: int = 0  # this rank's trained elements: the host's optimizer step
+    s_per_optimizer_element: float = 0.0
 
 
 def step_time(profile, plan: Sequence, micro_batches: int, rest_flops: float, tflops: float,
@@ -115,16 +121,18 @@ def step_time(profile, plan: Sequence, micro_batches: int, rest_flops: float, tf
     n = micro_batches
     compute_s = (forward + backward + recompute + tiles + rest_flops) * n * per_flop
     a2a_s = sent * n / all_to_all_bytes_per_s if all_to_all_bytes_per_s and sent else 0.0
+    host_step_s = link.optimizer_numel * link.s_per_optimizer_element
     return StepTime(forward_flops=forward * n, backward_flops=backward * n,
                     recompute_flops=recompute * n, tile_flops=tiles * n,
                     rest_flops=rest_flops * n, attention_flops=attention * n, tflops=tflops,
                     compute_s=compute_s, all_to_all_bytes=sent * n,
                     all_to_all_bytes_per_s=all_to_all_bytes_per_s if sent else None,
                     all_to_all_s=a2a_s, offload_s=offload * n,
-                    step_s=compute_s + a2a_s + (offload + linked) * n,
+                    step_s=compute_s + a2a_s + (offload + linked) * n + host_step_s,
                     tokens_per_rank=tokens_per_micro * n, gpus_per_node=gpus_per_node,
                     host_link_bytes=(sum(link.block_bytes) + link.root_bytes) * n,
-                    host_link_s=linked * n)
+                    host_link_s=linked * n, host_optimizer_numel=link.optimizer_numel,
+                    host_optimizer_s=host_step_s)
 
 
 def step_lines(t: StepTime) -> list[str]:
@@ -138,8 +146,12 @@ def step_lines(t: StepTime) -> list[str]:
                 if t.all_to_all_bytes_per_s else "")
              + (f" + offload not hidden {t.offload_s:,.1f} s" if t.offload_s else "")
              + (f" + sharding.cpu_offload copies not hidden {t.host_link_s:,.1f} s "
-                f"({t.host_link_bytes / 2**30:,.1f} GiB of parameters in and gradients out; "
-                "its optimizer step on the host not counted)" if t.host_link_bytes else ""),
+                f"({t.host_link_bytes / 2**30:,.1f} GiB of parameters in and gradients out)"
+                f" + host optimizer step {t.host_optimizer_s:,.1f} s (AdamW over "
+                f"{t.host_optimizer_numel / 1e6:,.1f} M elements at a nominal "
+                f"{t.host_optimizer_s / max(t.host_optimizer_numel, 1) * 1e9:.2g} ns each, "
+                "not measured)"
+                if t.host_link_bytes or t.host_optimizer_numel else ""),
              f"  PFLOP: forward {t.forward_flops * pf:,.2f} (attention, causal: "
              f"{t.attention_flops * pf:,.2f}), backward {t.backward_flops * pf:,.2f}, recompute "
              f"{t.recompute_flops * pf:,.2f}, tile re-forwards {t.tile_flops * pf:,.2f}, "

@@ -39,6 +39,12 @@ NOMINAL_SECONDS_PER_BYTE = {"cpu": 1 / 20e9, "disk": 1 / 2e9}
 # inside one node (NVLink, as all-to-alls of tens of MiB usually reach on H100/H200 nodes) or
 # spread over nodes (one 200 Gb/s network port per GPU). A round figure, not a measurement.
 NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
+# sharding.cpu_offload's optimizer step on the host: seconds per trained element of torch's AdamW
+# over fp32 CPU tensors too large for the caches, as a large model's shards are (measured
+# 2026-12-05, launch/bench/host_adamw.py on a 2-core machine: 4.1 ns with 2 threads, 6.2 with 1;
+# ~84 bytes of memory traffic an element). Not the GPU host's: a rank there has its own share of
+# that host's cores and memory bandwidth (launch/gpu_check's env stage measures that host's).
+NOMINAL_HOST_ADAMW_S_PER_ELEMENT = 4e-9
 
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from checkpointing.planner.memory import host_copies
+from checkpointing.planner.memory import host_copies, host_optimizer_numel
 from checkpointing.planner.step_time import HostLink, StepTime, step_time
 from trainer.preflight.auto_plan import rest_flops
-from trainer.preflight.scenario import NOMINAL_ALL_TO_ALL_BYTES_PER_S, NOMINAL_SECONDS_PER_BYTE
+from trainer.preflight.scenario import (NOMINAL_ALL_TO_ALL_BYTES_PER_S,
+                                       NOMINAL_HOST_ADAMW_S_PER_ELEMENT,
+                                       NOMINAL_SECONDS_PER_BYTE)
 from trainer.task import task_for
 
 
@@ -31,9 +33,10 @@ def outcome_step_time(outcome, tflops: float, device_type: str = "cuda") -> Step
 
 def host_link(outcome) -> Optional[HostLink]:
     """sharding.cpu_offload's copies per micro-batch (on a GPU; None where it is off), at the
-    nominal host link rate."""
+    nominal host link rate, and its optimizer step on the host, at the nominal AdamW rate."""
     setup = outcome.setup
     if setup is None or not setup.cpu_offload:
         return None
     blocks, root = host_copies(outcome.groups, setup)
-    return HostLink(blocks, root, NOMINAL_SECONDS_PER_BYTE["cpu"])
+    return HostLink(blocks, root, NOMINAL_SECONDS_PER_BYTE["cpu"],
+                    host_optimizer_numel(outcome.groups, setup), NOMINAL_HOST_ADAMW_S_PER_ELEMENT)
