@@ -18,9 +18,14 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
            results: Any) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A native crash (a C library's abort, a segfault) names where each thread was: the
+    # traceback put on the queue below is never written by a process that dies that way.
+    faulthandler.enable(all_threads=True)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)

@@ -71,6 +71,20 @@ def subprocess_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
+def wait_until_handling(pid: int, limit_s: float = 60.0) -> None:
+    """Until the process handles SIGTERM: the first lines of our entry points (trainer/__main__,
+    launch/run) install their stop handlers. Before that the interpreter is still starting (its
+    `site` imports, stretched past a second on a loaded machine), where a Ctrl-C is CPython's
+    own fatal error and status 1, which no code of ours can run to turn into one line."""
+    import time
+
+    from launch.worker_signals import handles_sigterm
+
+    deadline = time.monotonic() + limit_s
+    while handles_sigterm(pid) is False and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -338,13 +338,14 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, after_s) -> None:
     import subprocess
     import time
 
-    from tests.helpers import REPO, subprocess_env, trainer_command
+    from tests.helpers import REPO, subprocess_env, trainer_command, wait_until_handling
 
     child = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=100000",
                                               "save.every=0",
                                               f"hydra.run.dir={tmp_path / 'run'}"]),
                              cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
+    wait_until_handling(child.pid)  # after_s from our first line, not the interpreter's start
     time.sleep(after_s)
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=120)
@@ -361,13 +362,14 @@ def test_ctrl_c_while_launch_run_starts_is_one_line_and_130(tmp_path, after_s) -
     import subprocess
     import time
 
-    from tests.helpers import REPO, subprocess_env, trainer_command
+    from tests.helpers import REPO, subprocess_env, trainer_command, wait_until_handling
 
     agent = subprocess.Popen(trainer_command([*QUICK, "data=synthetic", "train.steps=50",
                                               f"hydra.run.dir={tmp_path / 'run'}"], nproc=2,
                                              launcher="launch.run"),
                              cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_until_handling(agent.pid)  # after_s from our first line, not the interpreter's start
     time.sleep(after_s)
     os.killpg(agent.pid, signal.SIGINT)
     _, err = agent.communicate(timeout=120)
