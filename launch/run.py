@@ -8,7 +8,8 @@ processes; only these differ:
   one a `save.signal=` override names) are passed to the workers, which finish their step, save
   and exit, and the agent waits for that however long it takes; the launcher's status is
   theirs. Before any worker started, a stop signal ends the launcher (130 for Ctrl-C, else 75)
-  with one line. torchrun's agent SIGKILLs them once its
+  with one line; a worker whose interpreter is still starting gets it once its entry handles it
+  (launch/worker_signals.py). torchrun's agent SIGKILLs them once its
   `--shutdown-timeout` (30 s) runs out, mid-step or mid-save on a large model.
 - A second Ctrl-C stops them at once: passed on again (each worker's own stop at once: a torn save
   removed, one line), then SIGKILL for any still running STOP_AT_ONCE_S later (one blocked in a
