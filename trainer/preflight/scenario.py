@@ -42,7 +42,7 @@ NOMINAL_ALL_TO_ALL_BYTES_PER_S = {"node": 100e9, "network": 20e9}
 # sharding.cpu_offload's optimizer step on the host: seconds per trained element of torch's AdamW
 # over fp32 CPU tensors too large for the caches, as a large model's shards are (measured
 # 2026-12-05, launch/bench/host_adamw.py on a 2-core machine: 4.1 ns with 2 threads, 6.2 with 1;
-# ~84 bytes of memory traffic an element). Not the GPU host's: a rank there has its own share of
+# its passes read and write ~84 bytes an element, counted). Not the GPU host's: a rank there has its own share of
 # that host's cores and memory bandwidth (launch/gpu_check's env stage measures that host's).
 NOMINAL_HOST_ADAMW_S_PER_ELEMENT = 4e-9
 
