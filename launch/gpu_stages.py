@@ -54,7 +54,6 @@ def env_stage() -> dict:
     info["host_adamw_ns_per_element"] = {
         threads: round(step_seconds(numel, 16_000_000, threads, 3) / numel * 1e9, 3)
         for threads in sorted({1, os.cpu_count() or 1})}
-    torch.set_num_threads(os.cpu_count() or 1)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(device=props.name, total_memory=props.total_memory,

@@ -13,6 +13,7 @@ import pytest
 
 from launch import worker_signals
 from launch.run import Group
+from tests.helpers import wait_until_handling
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 
@@ -78,10 +79,8 @@ def test_a_worker_handling_sigterm_counts_as_started_and_its_age_is_read() -> No
     worker = _worker("import signal, time\nsignal.signal(signal.SIGTERM, lambda *a: None)\n"
                      "print(flush=True)\ntime.sleep(60)\n")
     try:
-        deadline = time.monotonic() + 30
-        while worker_signals.handles_sigterm(worker.pid) is False:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until_handling(worker.pid, 30)
+        assert worker_signals.handles_sigterm(worker.pid)
         assert worker_signals.started(worker.pid)
         age = worker_signals.age_s(worker.pid)
         assert age is not None and 0 <= age < 30, age

@@ -26,7 +26,17 @@ import torch
 
 
 def step_seconds(numel: int, tensor_numel: int, threads: int, steps: int) -> float:
+    """The median AdamW step over `numel` elements on `threads` threads (the process's thread
+    count is left as it was)."""
+    was = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _median_step(numel, tensor_numel, steps)
+    finally:
+        torch.set_num_threads(was)
+
+
+def _median_step(numel: int, tensor_numel: int, steps: int) -> float:
     sizes = [tensor_numel] * (numel // tensor_numel) + ([numel % tensor_numel]
                                                          if numel % tensor_numel else [])
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
