@@ -92,3 +92,36 @@ def test_a_save_broken_by_the_second_ctrl_c_is_that_stop_not_a_failed_save() -> 
                                      preemption=types.SimpleNamespace(at_once=at_once))
         with pytest.raises(raised):
             Trainer.run(fake)
+
+
+def test_a_second_ctrl_c_swallowed_by_a_weakref_callback_is_delivered_again(capfd) -> None:
+    """CI (stop 53): the second Ctrl-C's KeyboardInterrupt landed in importlib's module-lock
+    weakref callback mid-save; Python printed "Exception ignored" with its trace and the save
+    went on. Here the second Ctrl-C arrives inside a weakref callback: the run still stops at
+    once, and nothing is printed."""
+    import signal
+    import time
+    import weakref
+
+    import pytest
+
+    from trainer.faults import PreemptionSignal
+
+    class Owner:
+        pass
+
+    preemption = PreemptionSignal(None, announce=False)
+    try:
+        signal.raise_signal(signal.SIGINT)  # the first: finish the step and save
+        owner = Owner()
+        reference = weakref.ref(owner, lambda _: signal.raise_signal(signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt):
+            del owner  # the callback runs here and takes the second Ctrl-C
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert preemption.at_once and reference() is None
+    finally:
+        preemption.restore()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err, err

@@ -31,6 +31,7 @@ class FaultLimit(RuntimeError):
     the setting and what to change."""
 
 ECHO_WINDOW_S = 2.0  # see PreemptionSignal._handle
+REDELIVER_S = 0.01  # see PreemptionSignal._swallowed
 
 
 class PreemptionSignal:
@@ -69,6 +70,8 @@ class PreemptionSignal:
             number = getattr(signal, name)
             if name not in names and signal.getsignal(number) not in (signal.SIG_IGN, None):
                 self._previous[number] = signal.signal(number, signal.SIG_DFL)
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._swallowed
         self._stop_watch = threading.Event()
         if watch_launcher:
             parent = os.getppid()
@@ -80,7 +83,8 @@ class PreemptionSignal:
         if name == "SIGINT" and self.received == "SIGINT":
             # Where a Ctrl-C reaches a worker twice (from the terminal and, a moment later,
             # from the agent: see _echoes), only a later one is the user's second Ctrl-C.
-            if not (self._echoes and time.monotonic() - self._first_sigint < ECHO_WINDOW_S):
+            echo = self._echoes and time.monotonic() - self._first_sigint < ECHO_WINDOW_S
+            if self.at_once or not echo:
                 self.at_once = True
                 raise KeyboardInterrupt  # the second Ctrl-C: stop now
             return
@@ -90,6 +94,19 @@ class PreemptionSignal:
             print("\nCtrl-C: finishing this step and saving, then exiting (Ctrl-C again to stop "
                   "at once, without saving)", file=sys.stderr, flush=True)
         self.received = self.received or name
+
+    def _swallowed(self, unraisable) -> None:
+        """sys.unraisablehook. A handler's KeyboardInterrupt that lands where Python cannot pass
+        an exception up (a weakref callback, a __del__) is only printed, "Exception ignored"
+        and its trace, and the run goes on: CI saw importlib's module-lock callback take the
+        second Ctrl-C mid-save. Deliver the signal again instead, once this hook has returned
+        (from here it would land in the hook, swallowed again): a thread sends it to the main
+        thread a moment later, where it interrupts a blocking call as the first one did."""
+        if self.at_once and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            main = threading.main_thread().ident
+            threading.Timer(REDELIVER_S, signal.pthread_kill, (main, signal.SIGINT)).start()
+            return
+        self._unraisable(unraisable)
 
     def _watch(self, parent: int) -> None:
         while not self._stop_watch.wait(0.5):
@@ -103,6 +120,8 @@ class PreemptionSignal:
             if handler is not None:  # None: set outside Python, which Python cannot put back
                 signal.signal(number, handler)
         self._previous.clear()
+        if sys.unraisablehook == self._swallowed:
+            sys.unraisablehook = self._unraisable
 
 
 def _same_process_group_as_parent() -> bool:
