@@ -127,7 +127,8 @@ def summed_head_loss(norm: Callable[[torch.Tensor], torch.Tensor], output: torch
         return chunked_linear_cross_entropy(norm(hidden), output.weight, targets, chunk_tokens,
                                             normaliser=1.0, ignore_index=ignore_index)
     logits = output(norm(hidden))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+    logits = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), targets.reshape(-1),
                            ignore_index=ignore_index, reduction="sum")
 
 

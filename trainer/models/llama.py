@@ -81,8 +81,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The mean of squares over thousands of bf16 values is too coarse, so normalise
-        # in float32 and return in the caller's dtype.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        # in float32 (float64 stays) and return in the caller's dtype.
+        normed = F.rms_norm(_at_least_fp32(x), (x.shape[-1],), _at_least_fp32(self.weight),
+                            self.eps)
         return normed.type_as(x)
 
 
@@ -348,17 +349,22 @@ class Llama(nn.Module):
             full.copy_(sample)
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of [B, T, vocab] logits, computed in fp32 whatever their dtype: the mean
-    over the targets that are not IGNORE_INDEX (NaN when every target is ignored)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+    """Cross entropy of [B, T, vocab] logits, computed in fp32 (fp64 for fp64 logits) whatever
+    their dtype: the mean over the targets that are not IGNORE_INDEX (NaN when every target is
+    ignored)."""
+    return F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), targets.flatten(0, 1),
                            ignore_index=IGNORE_INDEX)
 
 
 def next_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross entropy summed over the targets that are not ignored (-100), in fp32: packed
     documents, where the step divides by the global batch's count of such targets."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+    return F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), targets.flatten(0, 1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 

@@ -41,8 +41,8 @@ def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tens
 
     Uses Meta's interleaved convention: feature pairs ``(2i, 2i+1)`` are the real
     and imaginary parts of one complex number that is multiplied by
-    ``exp(j * pos * freq_i)``. The rotation runs in float32 because bf16 angles
-    lose relative-position precision at long sequence lengths.
+    ``exp(j * pos * freq_i)``. The rotation runs in float32 (float64 for a float64
+    x) because bf16 angles lose relative-position precision at long sequence lengths.
 
     inverse: rotate by the negated angles, which is the rotation's gradient: for the
     gradient of the output it gives, bit for bit, the products and sums autograd forms.
@@ -54,7 +54,7 @@ def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tens
     else:
         cos = cos[:seq_len].view(1, seq_len, 1, -1)
         sin = sin[:seq_len].view(1, seq_len, 1, -1)
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     if inverse:
         rotated = torch.stack((real * cos + imag * sin, imag * cos - real * sin), dim=-1)
