@@ -20,6 +20,22 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A failed test's processes (a run it started and would have waited for) are ended with
+    it, so they do not load the rest of the suite (tests/processes.py). Only those started in
+    the test itself: a fixture's (a module's shared 2-rank group) outlive it on purpose."""
+    import os
+
+    from tests.processes import children_by_parent, kill_tree
+
+    before = set(children_by_parent().get(os.getpid(), []))
+    outcome = yield
+    if outcome.excinfo is not None:
+        for pid in set(children_by_parent().get(os.getpid(), [])) - before:
+            kill_tree(pid)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
