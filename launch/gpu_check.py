@@ -54,6 +54,7 @@ class Mode:
     extra: list[str] = field(default_factory=list)  # overrides for every benchmark row
     row_min_s: int = 0  # a benchmark row is not started with less of the budget left
     long_max: Optional[int] = None  # the long row's longest length (None: what fits)
+    max_micro_batch: int = 64  # the largest micro-batch the fit stage tries
 
     @property
     def reference_shape(self) -> list[str]:
@@ -80,11 +81,13 @@ GPU = Mode("cuda", LLAMA_1B, "4096,2048", steps=6, warmup=2, parity_seq=256,
 GPU_BUDGET_S = 560.0
 # On CPU the compile row uses aot_eager: inductor's C++ build costs ~30 s here and is covered by
 # the test suite; the smoke run is about the stages, not the compiler. Its caps stop a runaway:
-# ~80 s in all on an idle 2-core machine, but the test suite runs it beside other tests.
+# ~80 s in all on an idle 2-core machine, but the test suite runs it beside other tests. Micro-
+# batches up to 8: the nominal 16 GiB would take 64, 4,096 tokens a step, ~1 s each on 2 cores
+# for 13 rows (the bench stage 100 s of the smoke run's 152 s, 256 s beside the suite).
 CPU_SMOKE = Mode("cpu", TINY, "64", steps=3, warmup=1, parity_seq=32,
                  caps={"env": 120, "cuda_tests": 120, "parity": 240, "fit": 120, "bench": 400,
                        "torchtitan": 30, "predict": 120}, row_cap=120,
-                 extra=["train.compile_backend=aot_eager"], long_max=2048)
+                 extra=["train.compile_backend=aot_eager"], long_max=2048, max_micro_batch=8)
 
 
 class Check:
@@ -227,6 +230,7 @@ def stage_fit(check: Check, cap: float) -> dict:
         json.dump({n: o for n, o in ROWS.items() if not n.startswith("ref:")}, f)
     fit = check.json_stage(["fit", "--device", check.mode.device, "--capacity", str(capacity),
                             "--seq-lens", check.mode.seq_lens, "--rows", rows,
+                            "--max-micro-batch", str(check.mode.max_micro_batch),
                             *(["--long-max", str(check.mode.long_max)]
                               if check.mode.long_max else []), "--",
                             *[o for o in common_overrides(check.mode)
