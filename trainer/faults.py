@@ -104,7 +104,10 @@ class PreemptionSignal:
         thread a moment later, where it interrupts a blocking call as the first one did."""
         if self.at_once and issubclass(unraisable.exc_type, KeyboardInterrupt):
             main = threading.main_thread().ident
-            threading.Timer(REDELIVER_S, signal.pthread_kill, (main, signal.SIGINT)).start()
+            try:
+                threading.Timer(REDELIVER_S, signal.pthread_kill, (main, signal.SIGINT)).start()
+            except RuntimeError:  # no new thread at interpreter shutdown: exiting already
+                pass
             return
         self._unraisable(unraisable)
 
