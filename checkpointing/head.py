@@ -128,7 +128,9 @@ def summed_head_loss(norm: Callable[[torch.Tensor], torch.Tensor], output: torch
                                             normaliser=1.0, ignore_index=ignore_index)
     logits = output(norm(hidden))
     logits = logits.reshape(-1, logits.shape[-1])
-    return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), targets.reshape(-1),
+    if logits.dtype != torch.float64:  # fp32 at least (not compute_dtype: a dispatched op)
+        logits = logits.float()
+    return F.cross_entropy(logits, targets.reshape(-1),
                            ignore_index=ignore_index, reduction="sum")
 
 
