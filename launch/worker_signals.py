@@ -16,6 +16,8 @@ import signal
 import time
 from typing import Iterable, Optional
 
+from trainer.state.rundir import process_start_time
+
 # Past this age a worker gets a stop signal whether or not it handles SIGTERM: an interpreter's
 # start takes well under it, even on a loaded machine.
 STARTING_S = 5.0
@@ -60,15 +62,8 @@ def handles_sigterm(pid: int) -> Optional[bool]:
 
 def age_s(pid: int) -> Optional[float]:
     """Seconds since the process started (/proc), None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    # After the name: state is field 3 of stat(5), starttime field 22.
-    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    started_at = process_start_time(pid)
+    return None if started_at is None else time.time() - started_at
 
 
 def started(pid: int) -> bool:

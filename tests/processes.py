@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import signal
 
+from trainer.state.rundir import stat_fields
+
 
 def children_by_parent() -> dict[int, list[int]]:
     """Every process's children, read from /proc/<pid>/stat's ppid field."""
@@ -16,9 +18,7 @@ def children_by_parent() -> dict[int, list[int]]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            ppid = int(stat_fields(int(entry))[1])
         except (OSError, IndexError, ValueError):
             continue  # gone since listdir, or not readable
         tree.setdefault(ppid, []).append(int(entry))

@@ -9,6 +9,7 @@ import types
 
 from tests import conftest
 from tests.processes import descendants, kill_tree
+from trainer.state.rundir import stat_fields
 
 # A parent (a torchrun agent's part) with two children of its own (its ranks).
 TREE = ("import subprocess, sys, time\n"
@@ -25,8 +26,7 @@ def _start_tree() -> tuple[subprocess.Popen, list[int]]:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+        return stat_fields(pid)[0] != "Z"  # a zombie has ended
     except OSError:
         return False
 

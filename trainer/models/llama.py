@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from checkpointing.head import summed_head_loss
+from checkpointing.head import compute_dtype, summed_head_loss
 from checkpointing.tiles import mark_tiled, tiled
 from trainer.models.attention_tiles import add_query_tiles, tiled_attention
 from trainer.models.doc_attention import DocumentMask, choose_backend, masked_attention
@@ -82,8 +82,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The mean of squares over thousands of bf16 values is too coarse, so normalise
         # in float32 (float64 stays) and return in the caller's dtype.
-        normed = F.rms_norm(_at_least_fp32(x), (x.shape[-1],), _at_least_fp32(self.weight),
-                            self.eps)
+        normed = F.rms_norm(x.to(compute_dtype(x.dtype)), (x.shape[-1],),
+                            self.weight.to(compute_dtype(x.dtype)), self.eps)
         return normed.type_as(x)
 
 
@@ -349,23 +349,20 @@ class Llama(nn.Module):
             full.copy_(sample)
 
 
-def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    # Not torch.promote_types: a dispatched op, counted by launch.bench --reference's meter.
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross entropy of [B, T, vocab] logits, computed in fp32 (fp64 for fp64 logits) whatever
     their dtype: the mean over the targets that are not IGNORE_INDEX (NaN when every target is
     ignored)."""
-    return F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), targets.flatten(0, 1),
+    logits = logits.flatten(0, 1)
+    return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), targets.flatten(0, 1),
                            ignore_index=IGNORE_INDEX)
 
 
 def next_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross entropy summed over the targets that are not ignored (-100), in fp32: packed
     documents, where the step divides by the global batch's count of such targets."""
-    return F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), targets.flatten(0, 1),
+    logits = logits.flatten(0, 1)
+    return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), targets.flatten(0, 1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 

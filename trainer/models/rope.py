@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from checkpointing.head import compute_dtype
+
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -54,10 +56,7 @@ def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tens
     else:
         cos = cos[:seq_len].view(1, seq_len, 1, -1)
         sin = sin[:seq_len].view(1, seq_len, 1, -1)
-    # float32 at least, not through torch.promote_types (a dispatched op, counted by
-    # launch.bench --reference's meter)
-    wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    pairs = wide.unflatten(-1, (-1, 2))
+    pairs = x.to(compute_dtype(x.dtype)).unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     if inverse:
         rotated = torch.stack((real * cos + imag * sin, imag * cos - real * sin), dim=-1)

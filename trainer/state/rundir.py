@@ -24,12 +24,18 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
 
 
-def _process_start_time(pid: int) -> Optional[float]:
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the process's name (Linux; OSError where there is none):
+    [0] is stat(5)'s field 3 (state), [1] the ppid, [19] the start time. The name, in
+    parentheses, may hold spaces and parentheses itself: the fields follow its last ")"."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def process_start_time(pid: int) -> Optional[float]:
     """Wall-clock start time of a process from /proc (Linux); None where unavailable."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])  # field 22 of stat: start time in clock ticks after boot
+        start_ticks = int(stat_fields(pid)[19])  # in clock ticks after boot
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
         return boot + start_ticks / os.sysconf("SC_CLK_TCK")
@@ -50,7 +56,7 @@ def run_id(run_name: Optional[str], env: Mapping[str, str] = os.environ) -> str:
     # every restart share. TORCHELASTIC_RUN_ID is set by torchrun only, so a plain process that
     # happens to have a parent still names the run after itself.
     pid = os.getppid() if "TORCHELASTIC_RUN_ID" in env else os.getpid()
-    started = _process_start_time(pid) or time.time()
+    started = process_start_time(pid) or time.time()
     # The pid keeps two runs started in the same second apart.
     return time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)) + f"-{pid}"
 
